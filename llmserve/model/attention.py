@@ -1,0 +1,104 @@
+"""KVCacheAttention: attention over a paged KV cache, for a flattened mixed batch.
+
+A batch is flattened as in vLLM: T tokens in one row, decode tokens first (one per sequence),
+then the prefill chunks of the remaining sequences, each contiguous.
+
+Cache layout (per layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim].
+Token t of a sequence lives in slot block_table[t // block_size] * block_size + t % block_size.
+Block 0 is the null block: it is never handed to a sequence, so padded rows write there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    query_start: int  # index of this sequence's first query token in the flat batch
+    query_len: int  # tokens computed this step
+    context_len: int  # tokens in the cache after this step (computed before + query_len)
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
+    num_decodes: int  # the first num_decodes tokens are single decode tokens
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (null-block padded)
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length incl. the new token
+    prefills: list[PrefillSeq]
+
+
+class KVCacheAttention(torch.nn.Module):
+    """Writes new K/V through the slot mapping, reads each sequence's past through its block table."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
+        for p in meta.prefills:
+            sl = slice(p.query_start, p.query_start + p.query_len)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [D, H, hd] -> grouped [D, kvh, g, hd]; keys gathered: [D, L, kvh, hd]
+        d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        tables = meta.decode_block_tables
+        keys = k_cache[tables].view(d, -1, kvh, hd)
+        vals = v_cache[tables].view(d, -1, kvh, hd)
+        qg = q.view(d, kvh, -1, hd)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # [D, kvh, g, L]
+        length = keys.shape[1]
+        pad = torch.arange(length, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]
+        scores = scores.float().masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(vals.dtype)
+        out = torch.matmul(probs, vals.permute(0, 2, 1, 3))  # [D, kvh, g, hd]
+        return out.reshape(d, self.num_heads, hd)
+
+    def _prefill(self, q, k_new, v_new, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
+        # q: [n, H, hd]; a fresh prompt attends to its own K/V, a continued one reads the cache.
+        n, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        if p.context_len == n:
+            keys, vals, mask, causal = k_new, v_new, None, True
+        else:
+            keys = k_cache[p.block_table].view(-1, kvh, hd)[: p.context_len]
+            vals = v_cache[p.block_table].view(-1, kvh, hd)[: p.context_len]
+            q_pos = torch.arange(p.context_len - n, p.context_len, device=q.device)
+            mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys.to(q.dtype).transpose(0, 1)[None],
+            vals.to(q.dtype).transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=kvh != self.num_heads,
+        )
+        return out[0].transpose(0, 1)
