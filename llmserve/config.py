@@ -1,0 +1,106 @@
+"""Configuration records. CLI flags and LLMSERVE_* environment variables are read here, once.
+
+Every EngineConfig/ServerConfig field is a `llmserve serve` flag (`max_num_seqs` -> `--max-num-seqs`)
+and an environment variable (`LLMSERVE_MAX_NUM_SEQS`); flags win over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from llmserve.errors import InvalidRequestError
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = _opt(None, "HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    served_model_name: str | None = _opt(None, "model name reported by the API (default: derived from --model)")
+    dtype: str = _opt("float32", "weights, activations and KV cache dtype", ("float32", "bfloat16"))
+    block_size: int = _opt(16, "tokens per KV cache block")
+    num_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory)")
+    kv_cache_memory: int = _opt(2 << 30, "KV cache size in bytes")
+    max_num_seqs: int = _opt(64, "most sequences in one batch")
+    max_num_batched_tokens: int = _opt(512, "token budget of one engine step (chunked prefill)")
+    max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    compile: str = _opt("none", "compiled execution", ("none", "inductor", "tensorrt"))
+    quantize: str | None = _opt(None, "weight-only quantization", ("int8",))
+    seed: int = _opt(0, "seed of the engine's default random generator")
+    num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice)")
+    redis_url: str | None = _opt(None, "Redis URL for the shared response cache and KV tier")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` on every route but /health")
+    max_waiting: int = _opt(256, "most requests waiting for the engine before 429")
+    max_waiting_tokens: int | None = _opt(None, "most prompt tokens waiting before 429")
+    max_request_bytes: int = _opt(1 << 20, "largest request body accepted (413 above)")
+    shutdown_timeout: float = _opt(30.0, "seconds in-flight streams may finish after SIGTERM")
+    response_cache: bool = _opt(True, "cache whole responses of deterministic requests")
+    response_cache_ttl: int = _opt(3600, "response cache TTL in seconds")
+    response_cache_bytes: int = _opt(64 << 20, "in-process response cache bound in bytes")
+    log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {s!r}")
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    t = str(f.type)
+    if t.startswith("bool"):
+        return bool
+    if t.startswith("int"):
+        return int
+    if t.startswith("float"):
+        return float
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field; defaults come from the environment, then the dataclass."""
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        typ = _field_type(f)
+        help_ = f.metadata.get("help", "")
+        if typ is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            parser.add_argument(flag, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"), help=help_)
+
+
+def from_sources(cls: type, args: argparse.Namespace | None = None, env: dict[str, str] | None = None, **overrides: Any):
+    """Build `cls` from defaults < LLMSERVE_* environment < CLI args < keyword overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        raw = env.get("LLMSERVE_" + f.name.upper())
+        if raw is not None and raw != "":
+            typ = _field_type(f)
+            try:
+                values[f.name] = _parse_bool(raw) if typ is bool else typ(raw)
+            except ValueError as e:
+                raise InvalidRequestError(f"LLMSERVE_{f.name.upper()}: {e}") from None
+        if args is not None and getattr(args, f.name, None) is not None:
+            values[f.name] = getattr(args, f.name)
+    names = {f.name for f in fields(cls)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise TypeError(f"unknown {cls.__name__} option(s): {', '.join(sorted(unknown))}")
+    values.update(overrides)
+    return cls(**values)

@@ -1,0 +1,204 @@
+"""LLMEngine: step() = schedule -> run the model on one mixed batch -> update requests.
+
+Not thread-safe: one thread drives it (AsyncEngine's engine thread, or LLM.generate).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.engine.block_manager import KVCacheManager
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.errors import InvalidRequestError, PromptTooLongError
+from llmserve.model.loader import fingerprint, load_model
+from llmserve.profiling import StepRecord
+from llmserve.sampling import SamplingParams
+from llmserve.tokenizer import Tokenizer, eos_token_ids, read_generation_config
+
+logger = logging.getLogger("llmserve.engine")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from llmserve.model.resolve import resolve_model
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        self.dtype = DTYPES[config.dtype]
+        self.model = load_model(self.model_dir, self.dtype)
+        self.model_config = self.model.config
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.generation_config = read_generation_config(self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
+        self.max_model_len = min(config.max_model_len or 1 << 30, self.model_config.max_position_embeddings)
+        self.fingerprint = f"{fingerprint(self.model_dir)}-{config.dtype}-{config.quantize or 'none'}"
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            namespace=f"{self.fingerprint}:{config.block_size}",
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
+        self.step_records: deque[StepRecord] = deque(maxlen=100_000)
+        self.num_steps = 0
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.config.model and Path(self.config.model).name or "SmolLM2-135M-Instruct"
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        per_block = kv_bytes_per_block(self.model, c.block_size, self.dtype)
+        useful = c.max_num_seqs * -(-self.max_model_len // c.block_size)  # enough for every slot full
+        n = c.num_blocks or max(2, min(c.kv_cache_memory // per_block, useful + 1))
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            n - 1, c.block_size, (n - 1) * c.block_size, n * per_block / 2**20, c.dtype,
+        )
+        return n
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> Request:
+        params.check_vocab(self.model_config.vocab_size)
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if any(not (0 <= t < self.model_config.vocab_size) for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max(max_tokens, 1) > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{n_prompt} prompt tokens and max_tokens {max_tokens} ({n_prompt + max_tokens} in total)",
+                "max_tokens" if params.max_tokens else "prompt",
+            )
+        if self.kv.blocks_needed(n_prompt + max_tokens) > self.kv.pool.num_usable:
+            raise PromptTooLongError(
+                f"the request needs {n_prompt + max_tokens} tokens of KV cache; the cache holds "
+                f"{self.kv.pool.num_usable * self.kv.block_size}", "max_tokens",
+            )
+        req = Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids)
+        if arrival_time is not None:
+            req.timeline.arrival = arrival_time
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self.pending.append(self._output(req, [], "", []))
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.pending)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        start = time.time()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        outputs, self.pending = self.pending, []
+        if sched.empty:
+            return outputs
+        run = self.runner.execute(sched)
+        t2 = time.perf_counter()
+        outputs += self._update(sched, run)
+        self._record(start, sched, run, t1 - t0, time.perf_counter() - t2)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, run: RunnerOutput) -> list[RequestOutput]:
+        self.scheduler.advance(sched)
+        now = time.time()
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            sampled = run.sampled.get(req.request_id)
+            if sampled is None:  # a prefill chunk that has not reached the end yet
+                continue
+            token, lp = sampled
+            req.append_output_token(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            req.timeline.token_times.append(now)
+            detok = self.detokenizers[req.request_id]
+            text = detok.add_token(token)
+            status = self._check_stop(req, token, detok)
+            if status is not None:
+                text += detok.flush()
+                self.scheduler.finish(req, status)
+                self._forget(req.request_id)
+            outputs.append(self._output(req, [token], text, [lp] if lp else []))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if detok.stop_string is not None:
+            req.stop_reason = detok.stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= p.min_tokens:
+            if token in req.eos_token_ids and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _forget(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self.runner.sampler.forget(request_id)
+
+    def _output(self, req: Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
+        return RequestOutput(
+            req.request_id, tokens, text, lps, req.status.finished, req.finish_reason, req.stop_reason,
+            req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens, req,
+        )
+
+    def _record(self, start: float, sched: SchedulerOutput, run: RunnerOutput, schedule_s: float, update_s: float) -> None:
+        self.num_steps += 1
+        self.step_records.append(
+            StepRecord(start, sched.num_prefill_tokens, sched.num_decode_seqs, schedule_s,
+                       run.prepare_s, run.forward_s, run.sample_s, update_s)
+        )
+
+    def get_stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=pool.num_usable,
+            num_blocks_free=pool.num_free,
+            num_blocks_used=pool.num_usable - pool.num_free,
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,127 @@
+"""ModelRunner: a SchedulerOutput -> flat tensors -> one forward pass -> sampled tokens.
+
+Flat batch layout: decode tokens first (one per sequence), then each prefill chunk contiguously.
+KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (block 0 = null block).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.engine.request import Request, TokenLogprobs
+from llmserve.engine.sampler import Sampler, top_logprobs
+from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.model.attention import AttentionMetadata, PrefillSeq
+from llmserve.model.llama import LlamaForCausalLM
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat index of the last token of each sampling sequence
+    sample_requests: list[Request]
+    prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, next prompt token)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    c = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        # zeros() maps untouched pages lazily, so an unused cache costs no resident memory
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype)
+            for _ in range(c.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed)
+        self.forward = model.forward  # replaced by a compiled callable when configured
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        decodes = [s for s in out.scheduled if s.num_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_tokens > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows, sample_reqs, prompt_rows = [], [], []
+        prefill_seqs = []
+        bs = self.block_size
+        for s in decodes + prefills:
+            start, n, req = s.num_computed_tokens, s.num_tokens, s.request
+            q0 = len(ids)
+            ids.extend(req.all_token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n > 1:
+                table = torch.tensor(s.block_ids[: -(-(start + n) // bs)], dtype=torch.long)
+                prefill_seqs.append(PrefillSeq(q0, n, start + n, table))
+            if s.samples:
+                sample_rows.append(q0 + n - 1)
+                sample_reqs.append(req)
+            if req.sampling_params.prompt_logprobs is not None:
+                # rows predicting prompt tokens not scored yet (a preempted request recomputes)
+                first, last = max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1)
+                prompt_rows += [(req, q0 + p - start, req.prompt_token_ids[p + 1]) for p in range(first, last)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            num_decodes=len(decodes),
+            decode_block_tables=_pad_tables([s.block_ids for s in decodes]),
+            decode_seq_lens=torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.long),
+            prefills=prefill_seqs,
+        )
+        return ModelInput(
+            torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+            sample_rows, sample_reqs, prompt_rows,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        inp = self.prepare(out)
+        t1 = time.perf_counter()
+        hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
+        t2 = time.perf_counter()
+        result = RunnerOutput(prepare_s=t1 - t0, forward_s=t2 - t1)
+        if inp.prompt_rows:
+            self._prompt_logprobs(hidden, inp.prompt_rows)
+        if logits is not None:
+            s = self.sampler(logits, inp.sample_requests)
+            for req, tok, lp in zip(inp.sample_requests, s.token_ids, s.logprobs, strict=True):
+                result.sampled[req.request_id] = (tok, lp)
+        result.sample_s = time.perf_counter() - t2
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
+        logp = torch.log_softmax(self.model.compute_logits(hidden[[r[1] for r in rows]]), dim=-1)
+        for i, (req, _, target) in enumerate(rows):
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first prompt token has no logprob
+            req.prompt_logprobs.append(top_logprobs(logp[i], target, req.sampling_params.prompt_logprobs or 0))
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[num_seqs, max_blocks] int64, padded with the null block 0."""
+    width = max((len(t) for t in tables), default=1)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(tables), width)
+
+

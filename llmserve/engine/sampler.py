@@ -1,0 +1,136 @@
+"""Sampler: logits [N, vocab] (fp32) of the rows that sample this step -> one token id each.
+
+Order per row: logit_bias, min_tokens (ban EOS/stop ids), repetition/presence/frequency penalties,
+then greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw. Logprobs are those of the
+raw model distribution (before any processing), as vLLM reports them.
+
+A draw is argmax(probs / Exp(1) noise), which samples exactly from `probs`. A request with a seed
+draws its noise from its own generator, advanced once per token, so its output is the same
+whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.engine.request import Request, TokenLogprobs
+from llmserve.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.default_generator = torch.Generator().manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logp = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = self._process(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            tokens[sampled] = self._draw(logits[sampled], [requests[i] for i in sampled])
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if raw_logp is not None:
+            for i, p in enumerate(params):
+                if want_logprobs[i]:
+                    logprobs[i] = top_logprobs(raw_logp[i], token_list[i], p.logprobs or 0)
+        return SamplerOutput(token_list, logprobs)
+
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if _needs_processing(r)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            _process_row(logits[i], requests[i])
+        return logits
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        # logits: [S, vocab] for the rows that sample
+        temps = torch.tensor([r.sampling_params.temperature for r in requests], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        logits = _apply_top_k_top_p(logits, [r.sampling_params for r in requests])
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([r.sampling_params.min_p for r in requests], dtype=probs.dtype)
+        if (min_p > 0).any():
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs)
+        for j, r in enumerate(requests):
+            noise[j].exponential_(generator=self._generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, r: Request) -> torch.Generator:
+        seed = r.sampling_params.seed
+        if seed is None:
+            return self.default_generator
+        g = self.generators.get(r.request_id)
+        if g is None:
+            g = self.generators[r.request_id] = torch.Generator().manual_seed(seed)
+        return g
+
+
+def _needs_processing(r: Request) -> bool:
+    p = r.sampling_params
+    return bool(
+        p.logit_bias
+        or len(r.output_token_ids) < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
+
+
+def _process_row(row: torch.Tensor, r: Request) -> None:
+    """In place on one row [vocab]."""
+    p = r.sampling_params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    if len(r.output_token_ids) < p.min_tokens:
+        banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < row.shape[0]]
+        row[banned] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        ids, counts = torch.unique(torch.tensor(r.output_token_ids), return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if bool((top_k >= logits.shape[-1]).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1])[None, :]
+    drop = rank >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest set reaching top_p
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def top_logprobs(logp: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
+    """logp: [vocab] log-probabilities; the chosen token's logprob and the n best."""
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        vals, ids = logp.topk(n)
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(logp[token_id]), top)

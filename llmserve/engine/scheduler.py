@@ -1,0 +1,133 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step hands out a token budget (max_num_batched_tokens) first to running requests, in
+arrival order (a decode costs 1 token, an unfinished prefill takes a chunk), then admits waiting
+requests first come, first served, within max_num_seqs. When the KV cache runs out of blocks,
+the most recently admitted running request is preempted: its blocks are freed and it goes back
+to the front of the waiting queue, to be recomputed (prompt + the tokens it already produced).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmserve.engine.block_manager import KVCacheManager
+from llmserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step
+    samples: bool  # this chunk reaches the last known token, so a new token is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self._add(out, req, n)
+                budget -= n
+                i += 1
+        if not preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed = self.kv.get_computed_blocks(req)
+            num_cached = len(computed) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
+                req.num_cached_tokens = num_cached
+                req.timeline.first_scheduled = time.time()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add(out, req, n)
+            budget -= n
+        return budget
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens
+        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), start, samples))
+        if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+            out.num_decode_seqs += 1
+        else:
+            out.num_prefill_tokens += n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the model ran: mark the scheduled tokens computed and hash newly full blocks."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            if s.request.status is RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(s.request, s.request.num_computed_tokens)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort) and free its blocks at once."""
+        if req.status.finished:
+            return
+        req.status = status
+        req.timeline.finished = time.time()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,166 @@
+"""Converting a GGUF file into an ordinary Hugging Face model folder, once.
+
+The folder holds config.json, model.safetensors (float32, HF names, q/k un-permuted back from
+llama.cpp's layout by transformers' GGUF reader), tokenizer.json + tokenizer_config.json (with the
+chat template and special tokens) and generation_config.json, so `load_model` and `Tokenizer`
+read it like any other checkpoint. The folder appears atomically: it is written into a temporary
+sibling and renamed into place, so an interrupted conversion never leaves a half folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from llmserve.errors import ModelLoadError
+
+# GGUF general.architecture values whose converted folder our LlamaForCausalLM can run.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Files a converted folder must hold; the folder is complete iff all exist (the rename is atomic).
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def read_gguf_metadata(gguf_path: Path) -> dict[str, Any]:
+    """The file's scalar/string metadata (arrays such as the vocabulary left out).
+
+    Raises ModelLoadError naming the file when it is missing, not a GGUF file, or truncated.
+    """
+    from gguf import GGUFReader
+
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # gguf raises bare ValueError/IndexError/struct errors on damaged files
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated GGUF file ({size} bytes; {type(e).__name__}: {e})"
+        ) from None
+    if end > size:
+        raise ModelLoadError(f"{path}: truncated GGUF file ({size} bytes, tensors need {end})")
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if len(field.data) == 1:  # scalars and strings; skips the vocabulary arrays
+            try:
+                meta[key] = field.contents()
+            except Exception:  # an odd field type we do not need
+                continue
+    return meta
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write the HF folder for `gguf_path` at `out_dir` (must not exist yet, or be complete); returns it."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    meta = read_gguf_metadata(gguf_path)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
+        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    start = time.monotonic()
+    print(f"llmserve: converting {gguf_path.name} -> {out_dir} (once; takes a while)", file=sys.stderr)
+    try:
+        _write_folder(gguf_path, meta, tmp)
+        _make_readable(tmp)
+        try:
+            tmp.rename(out_dir)
+        except OSError:
+            if not is_converted(out_dir):  # someone else's complete folder wins a race; anything else is an error
+                raise ModelLoadError(f"{out_dir}: exists but is not a complete converted model; delete it") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"llmserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr)
+    return out_dir
+
+
+def is_converted(folder: Path) -> bool:
+    return all((Path(folder) / name).is_file() for name in CONVERTED_FILES)
+
+
+def _write_folder(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # transformers' GGUF errors are untyped
+        raise ModelLoadError(f"{gguf_path}: cannot read GGUF model ({type(e).__name__}: {e})") from None
+
+    # Weights: the dequantized float32 state dict; the tied lm_head is not stored twice.
+    config, arch_name = model.config, type(model).__name__  # e.g. LlamaForCausalLM
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if any(not v.dtype.is_floating_point for v in state.values()):
+        raise ModelLoadError(f"{gguf_path}: transformers left some weights packed; cannot convert")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del model, state
+
+    # config.json: a plain checkpoint (no quantization_config), rope_theta also at top level.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [arch_name]
+    config.save_pretrained(out)
+    raw = json.loads((out / "config.json").read_text())
+    for key in ("_name_or_path", "_model_name_or_path"):
+        raw.pop(key, None)
+    raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+
+    _fix_pre_tokenizer(tok, meta.get("tokenizer.ggml.pre"))
+    tok.save_pretrained(out, save_jinja_files=False)  # keeps chat_template inside tokenizer_config.json
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    for key in ("is_local", "local_files_only"):
+        tc.pop(key, None)
+    tc.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=config.max_position_embeddings)
+    tc["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    if meta.get("tokenizer.chat_template"):
+        tc["chat_template"] = meta["tokenizer.chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+
+    gen = {k: meta[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id") if f"tokenizer.ggml.{k}" in meta}
+    if "tokenizer.ggml.padding_token_id" in meta:
+        gen["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only files; give the folder the usual umask modes."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
+
+
+def _fix_pre_tokenizer(tok: Any, pre: str | None) -> None:
+    """Restore the split rule transformers does not map for some `tokenizer.ggml.pre` values.
+
+    "smollm" (SmolLM/SmolLM2): llama.cpp isolates every digit before the GPT-2 regex, as the
+    original tokenizer.json does (Digits(individual_digits) + ByteLevel). transformers falls back
+    to the bare GPT-2 regex, which differs on runs of spaces before a digit ("x  2").
+    """
+    if pre != "smollm":
+        return
+    from tokenizers import pre_tokenizers
+
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
