@@ -79,6 +79,14 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
     ) -> Request:
+        req = self.make_request(request_id, prompt_token_ids, params, arrival_time)
+        self.add(req)
+        return req
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> Request:
+        """Validate and build a Request; touches no engine state, so any thread may call it."""
         params.check_vocab(self.model_config.vocab_size)
         n_prompt = len(prompt_token_ids)
         if n_prompt == 0:
@@ -100,9 +108,11 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids)
         if arrival_time is not None:
             req.timeline.arrival = arrival_time
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
-        self.scheduler.add_request(req)
         return req
+
+    def add(self, req: Request) -> None:
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+        self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.requests.get(request_id)

@@ -1,0 +1,88 @@
+"""`llmserve serve | generate | make-model | quantize | profile | bench` — the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from llmserve.config import EngineConfig, ServerConfig, add_arguments, from_sources
+from llmserve.errors import LLMServeError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from llmserve.server.app import run_server
+
+    return run_server(from_sources(EngineConfig, args), from_sources(ServerConfig, args))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from llmserve.engine.llm import LLM
+    from llmserve.sampling import SamplingParams
+
+    config = from_sources(EngineConfig, args)
+    llm = LLM(**{k: getattr(config, k) for k in config.__slots__})
+    prompt = args.prompt
+    if args.chat:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    else:
+        ids = llm.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sampling_seed)
+
+    def show(o):
+        sys.stdout.write(o.new_text)
+        sys.stdout.flush()
+
+    out = llm.generate([ids], params, on_output=show)[0]
+    sys.stdout.write(f"\n[finish_reason={out.finish_reason} tokens={len(out.token_ids)}]\n")
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from llmserve.model.presets import make_model
+
+    print(make_model(args.preset, args.out, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmserve", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the HTTP server")
+    add_arguments(s, EngineConfig)
+    add_arguments(s, ServerConfig)
+    s.set_defaults(func=_serve)
+
+    g = sub.add_parser("generate", help="generate from one prompt, printing tokens as they come")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    add_arguments(g, EngineConfig)
+    g.set_defaults(func=_generate)
+
+    m = sub.add_parser("make-model", help="write a seeded random-weight model folder from a preset")
+    m.add_argument("preset")
+    m.add_argument("out")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=_make_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", None) or "INFO", format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except LLMServeError as e:  # a clear message, no stack trace
+        print(f"llmserve: error: {e.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
