@@ -28,6 +28,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Feed one output token; returns the newly released text (maybe empty)."""
+        if self.stop_string is not None:  # finished: nothing after a stop string is released
+            return ""
         self.tokens.append(token_id)
         skip = self.params.skip_special_tokens
         prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset], skip)
