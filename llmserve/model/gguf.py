@@ -66,19 +66,26 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
-        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {supported}")
+        raise ModelLoadError(
+            f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {supported}"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     start = time.monotonic()
-    print(f"llmserve: converting {gguf_path.name} -> {out_dir} (once; takes a while)", file=sys.stderr)
+    print(
+        f"llmserve: converting {gguf_path.name} -> {out_dir} (once; takes a while)", file=sys.stderr
+    )
     try:
         _write_folder(gguf_path, meta, tmp)
         _make_readable(tmp)
         try:
             tmp.rename(out_dir)
         except OSError:
-            if not is_converted(out_dir):  # someone else's complete folder wins a race; anything else is an error
-                raise ModelLoadError(f"{out_dir}: exists but is not a complete converted model; delete it") from None
+            # a complete folder from a concurrent conversion is fine; anything else is an error
+            if not is_converted(out_dir):
+                raise ModelLoadError(
+                    f"{out_dir}: exists but is not a complete converted model; delete it"
+                ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"llmserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr)
@@ -99,7 +106,9 @@ def _write_folder(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     except Exception as e:  # transformers' GGUF errors are untyped
-        raise ModelLoadError(f"{gguf_path}: cannot read GGUF model ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(
+            f"{gguf_path}: cannot read GGUF model ({type(e).__name__}: {e})"
+        ) from None
 
     # Weights: the dequantized float32 state dict; the tied lm_head is not stored twice.
     config, arch_name = model.config, type(model).__name__  # e.g. LlamaForCausalLM
@@ -123,31 +132,39 @@ def _write_folder(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
     _fix_pre_tokenizer(tok, meta.get("tokenizer.ggml.pre"))
-    tok.save_pretrained(out, save_jinja_files=False)  # keeps chat_template inside tokenizer_config.json
+    # save_jinja_files=False keeps the chat_template inside tokenizer_config.json
+    tok.save_pretrained(out, save_jinja_files=False)
     tc = json.loads((out / "tokenizer_config.json").read_text())
     for key in ("is_local", "local_files_only"):
         tc.pop(key, None)
-    tc.update(tokenizer_class="PreTrainedTokenizerFast", model_max_length=config.max_position_embeddings)
-    tc["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    tc.update(
+        tokenizer_class="PreTrainedTokenizerFast", model_max_length=config.max_position_embeddings
+    )
+    if "tokenizer.ggml.add_bos_token" in meta:
+        tc["add_bos_token"] = bool(meta["tokenizer.ggml.add_bos_token"])
     if meta.get("tokenizer.chat_template"):
         tc["chat_template"] = meta["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
 
-    gen = {k: meta[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id") if f"tokenizer.ggml.{k}" in meta}
-    if "tokenizer.ggml.padding_token_id" in meta:
-        gen["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    # generation_config.json: SmolLM2-Instruct's eos is <|im_end|> (id 2), as its GGUF says.
+    ids = {
+        "bos_token_id": "bos_token_id",
+        "eos_token_id": "eos_token_id",
+        "pad_token_id": "padding_token_id",
+    }
+    gen = {
+        ours: meta[f"tokenizer.ggml.{k}"]
+        for ours, k in ids.items()
+        if f"tokenizer.ggml.{k}" in meta
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def _make_readable(folder: Path) -> None:
-    """mkdtemp (and safetensors) create owner-only files; give the folder the usual umask modes."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    """mkdtemp (and safetensors) create owner-only files; give the folder ordinary modes."""
+    folder.chmod(0o755)
     for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
+        f.chmod(0o644)
 
 
 def _fix_pre_tokenizer(tok: Any, pre: str | None) -> None:
@@ -162,5 +179,8 @@ def _fix_pre_tokenizer(tok: Any, pre: str | None) -> None:
     from tokenizers import pre_tokenizers
 
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )

