@@ -45,6 +45,34 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from llmserve.profile_cmd import run_profile
+
+    return run_profile(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from llmserve.bench.serve import run_bench
+
+    return run_bench(args)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmserve.model.loader import load_model
+    from llmserve.model.quantize import save_quantized
+    from llmserve.model.resolve import resolve_model
+
+    src = resolve_model(args.model)
+    model = load_model(src, torch.float32, quantize="int8")
+    out = save_quantized(src, args.out, model)
+    before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    after = (out / "model.safetensors").stat().st_size
+    print(f"wrote {out}: weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -69,12 +97,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("out")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=_make_model)
+
+    from llmserve.bench.args import add_bench_arguments
+    from llmserve.profile_cmd import add_profile_arguments
+
+    pr = sub.add_parser("profile", help="profile the engine in process on a synthetic workload")
+    add_profile_arguments(pr)
+    pr.set_defaults(func=_profile)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="load-test any OpenAI-compatible server (like `vllm bench serve`)")
+    add_bench_arguments(bs)
+    bs.set_defaults(func=_bench_serve)
+    q = sub.add_parser("quantize", help="write an int8 weight-only checkpoint that llmserve loads directly")
+    q.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--out", required=True)
+    q.set_defaults(func=_quantize)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", None) or "INFO", format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(getattr(args, "log_level", None) or "info").upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except LLMServeError as e:  # a clear message, no stack trace

@@ -20,6 +20,7 @@ from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.errors import InvalidRequestError, PromptTooLongError
+from llmserve.model.compile import DEFAULT_BUCKETS, DecodeGraphs, check_tensorrt
 from llmserve.model.loader import fingerprint, load_model
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
@@ -36,9 +37,11 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.compile == "tensorrt":
+            check_tensorrt()  # before the (slow) model load: fail at once
         self.model_dir = resolve_model(config.model)
         self.dtype = DTYPES[config.dtype]
-        self.model = load_model(self.model_dir, self.dtype)
+        self.model = load_model(self.model_dir, self.dtype, config.quantize)
         self.model_config = self.model.config
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
@@ -52,10 +55,16 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
+        self._compile(config)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
+
+    def _compile(self, config: EngineConfig) -> None:
+        if config.compile == "inductor":
+            buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
+            self.runner.use_compiled_decode(DecodeGraphs(self.model, buckets))
 
     @property
     def model_name(self) -> str:
@@ -137,14 +146,17 @@ class LLMEngine:
             return outputs
         run = self.runner.execute(sched)
         t2 = time.perf_counter()
-        outputs += self._update(sched, run)
-        self._record(start, sched, run, t1 - t0, time.perf_counter() - t2)
+        new, detok_s = self._update(sched, run)
+        outputs += new
+        self._record(start, sched, run, t1 - t0, time.perf_counter() - t2 - detok_s, detok_s)
         return outputs
 
-    def _update(self, sched: SchedulerOutput, run: RunnerOutput) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, run: RunnerOutput) -> tuple[list[RequestOutput], float]:
+        """Append sampled tokens, detokenize, check stops; (outputs, seconds spent detokenizing)."""
         self.scheduler.advance(sched)
         now = time.time()
         outputs = []
+        detok_s = 0.0
         for s in sched.scheduled:
             req = s.request
             sampled = run.sampled.get(req.request_id)
@@ -156,14 +168,16 @@ class LLMEngine:
                 req.logprobs.append(lp)
             req.timeline.token_times.append(now)
             detok = self.detokenizers[req.request_id]
+            t = time.perf_counter()
             text = detok.add_token(token)
+            detok_s += time.perf_counter() - t
             status = self._check_stop(req, token, detok)
             if status is not None:
                 text += detok.flush()
                 self.scheduler.finish(req, status)
                 self._forget(req.request_id)
             outputs.append(self._output(req, [token], text, [lp] if lp else []))
-        return outputs
+        return outputs, detok_s
 
     def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
         p = req.sampling_params
@@ -191,11 +205,13 @@ class LLMEngine:
             req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens, req,
         )
 
-    def _record(self, start: float, sched: SchedulerOutput, run: RunnerOutput, schedule_s: float, update_s: float) -> None:
+    def _record(
+        self, start: float, sched: SchedulerOutput, run: RunnerOutput, schedule_s: float, update_s: float, detok_s: float
+    ) -> None:
         self.num_steps += 1
         self.step_records.append(
             StepRecord(start, sched.num_prefill_tokens, sched.num_decode_seqs, schedule_s,
-                       run.prepare_s, run.forward_s, run.sample_s, update_s)
+                       run.prepare_s, run.forward_s, run.sample_s, update_s, detok_s)
         )
 
     def get_stats(self) -> EngineStats:

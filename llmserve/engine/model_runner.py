@@ -15,6 +15,7 @@ from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
+from llmserve.model.compile import DecodeGraphs
 from llmserve.model.llama import LlamaForCausalLM
 
 
@@ -54,7 +55,18 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
-        self.forward = model.forward  # replaced by a compiled callable when configured
+        self.decode_graphs: DecodeGraphs | None = None  # set by use_compiled_decode()
+
+    def use_compiled_decode(self, graphs: DecodeGraphs) -> None:
+        graphs.warm_up(self.kv_caches)
+        self.decode_graphs = graphs
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """Decode-only batches that fit a compiled bucket run the compiled graph; others run eager."""
+        g, n = self.decode_graphs, inp.input_ids.shape[0]
+        if g is not None and inp.meta.num_decodes == n and g.bucket(n) is not None:
+            return g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
@@ -98,7 +110,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self.prepare(out)
         t1 = time.perf_counter()
-        hidden = self.forward(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        hidden = self.forward(inp)
         logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
         t2 = time.perf_counter()
         result = RunnerOutput(prepare_s=t1 - t0, forward_s=t2 - t1)

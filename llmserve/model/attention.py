@@ -31,6 +31,15 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (null-block padded)
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length incl. the new token
     prefills: list[PrefillSeq]
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size]: 0 or -inf
+
+    def prepare_decode_bias(self, block_size: int, dtype: torch.dtype) -> None:
+        """Build the padding mask once per forward; every layer shares it."""
+        if self.num_decodes and self.decode_bias is None:
+            width = self.decode_block_tables.shape[1] * block_size
+            pad = torch.arange(width)[None, :] >= self.decode_seq_lens[:, None]
+            bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
+            self.decode_bias = bias[:, None, None, :]
 
 
 class KVCacheAttention(torch.nn.Module):
@@ -67,19 +76,16 @@ class KVCacheAttention(torch.nn.Module):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [D, H, hd] -> grouped [D, kvh, g, hd]; keys gathered: [D, L, kvh, hd]
+        # q: [D, H, hd]; each sequence's blocks gathered: [D, max_blocks*block_size, kvh, hd]
         d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
         tables = meta.decode_block_tables
-        keys = k_cache[tables].view(d, -1, kvh, hd)
-        vals = v_cache[tables].view(d, -1, kvh, hd)
-        qg = q.view(d, kvh, -1, hd)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # [D, kvh, g, L]
-        length = keys.shape[1]
-        pad = torch.arange(length, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]
-        scores = scores.float().masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-        out = torch.matmul(probs, vals.permute(0, 2, 1, 3))  # [D, kvh, g, hd]
-        return out.reshape(d, self.num_heads, hd)
+        keys = k_cache[tables].view(d, -1, kvh, hd).transpose(1, 2)
+        vals = v_cache[tables].view(d, -1, kvh, hd).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=meta.decode_bias,
+            scale=self.scale, enable_gqa=kvh != self.num_heads,
+        )
+        return out[:, :, 0, :]
 
     def _prefill(self, q, k_new, v_new, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
         # q: [n, H, hd]; a fresh prompt attends to its own K/V, a continued one reads the cache.

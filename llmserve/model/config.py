@@ -39,6 +39,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qwen2: q/k/v have bias
+    quantization: str | None = None  # quantization_config.quant_method of a quantized checkpoint
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -73,6 +74,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", kind == "qwen2")),
+            quantization=(raw.get("quantization_config") or {}).get("quant_method"),
         )
 
     @classmethod

@@ -11,6 +11,7 @@ import torch
 from llmserve.errors import ModelLoadError
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.quantize import QUANT_METHOD, load_quantized, quantize_model
 
 # Hugging Face name fragments that we fuse into one weight: ours <- [theirs, ...]
 FUSED = {
@@ -111,15 +112,33 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     return model.eval()
 
 
-def load_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, quantize: str | None = None) -> LlamaForCausalLM:
+    """An HF folder (or a checkpoint written by `llmserve quantize`) -> our model, eval mode."""
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise ModelLoadError(f"{model_dir}: no such file or directory")
     cfg = ModelConfig.from_file(model_dir / "config.json")
     files = weight_files(model_dir)
     source = str(files[0] if len(files) == 1 else model_dir)  # what messages name
+    if cfg.quantization not in (None, QUANT_METHOD):
+        raise ModelLoadError(f"{model_dir / 'config.json'}: unsupported quantization {cfg.quantization!r} (supported: {QUANT_METHOD})")
+    if cfg.quantization == QUANT_METHOD:
+        return _load_int8_checkpoint(cfg, read_safetensors(files), dtype, source)
     state = hf_to_ours(read_safetensors(files), cfg, source)
-    return build_model(cfg, state, dtype, source)
+    model = build_model(cfg, state, dtype, source)
+    return quantize_model(model, dtype) if quantize == "int8" else model
+
+
+def _load_int8_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")  # untie
+    load_quantized(model, state, dtype, source)
+    for key in ("embed_tokens.weight", "norm.weight"):
+        _need(state, key, source)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.rotary = type(model.rotary)(cfg)
+    return model.eval()
 
 
 def fingerprint(model_dir: Path) -> str:

