@@ -16,6 +16,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from llmserve.engine.request import Request
 
@@ -92,6 +93,14 @@ class BlockPool:
         self.cached[block_hash] = block
 
 
+class ExternalKVTier(Protocol):
+    """A second tier of blocks by hash (cache/kv_store.py binds Redis to the cache tensors)."""
+
+    def fetch(self, hashes: list[bytes]) -> list[Any]: ...  # payloads of the leading run of hits
+    def load(self, block_id: int, payload: Any) -> None: ...  # payload -> the block's K/V
+    def store_block(self, block_id: int, block_hash: bytes) -> None: ...  # write behind
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -109,6 +118,7 @@ class KVCacheManager:
     req_hashes: dict[str, list[bytes]] = field(default_factory=dict)  # hashes of full blocks
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     root: bytes = field(init=False)
+    tier: ExternalKVTier | None = None  # e.g. Redis, behind the local prefix cache
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
@@ -129,23 +139,42 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """Longest cached prefix of full blocks; at least one token is always left to compute."""
+        """Longest cached prefix of full blocks (local, then the external tier); at least one
+        token is always left to compute."""
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         tokens, bs = request.all_token_ids, self.block_size
-        max_blocks = (len(tokens) - 1) // bs
-        hits: list[KVBlock] = []
+        chain: list[tuple[bytes, tuple[int, ...]]] = []  # (hash, tokens) of every candidate block
         parent = self.root
-        for i in range(max_blocks):
+        for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             parent = hash_block(parent, chunk)
-            block = self.pool.lookup(parent, chunk)
+            chain.append((parent, chunk))
+        hits: list[KVBlock] = []
+        for h, chunk in chain:
+            block = self.pool.lookup(h, chunk)
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += len(request.prompt_token_ids)
-        self.stats.hits += len(hits) * bs
+        if self.tier is not None and len(hits) < len(chain):
+            hits += self._load_from_tier(chain[len(hits) :])
         return hits
+
+    def _load_from_tier(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[KVBlock]:
+        """Fetch consecutive blocks in one round trip into free blocks, registered as cached."""
+        payloads = self.tier.fetch([h for h, _ in chain])  # type: ignore[union-attr]
+        n = min(len(payloads), self.pool.num_free)
+        blocks = self.pool.allocate(n)
+        for block, (h, chunk), kv in zip(blocks, chain, payloads, strict=False):
+            self.tier.load(block.block_id, kv)  # type: ignore[union-attr]
+            self.pool.register(block, h, chunk)
+        self.pool.release(list(reversed(blocks)))  # cached and free, until allocate_slots takes them
+        return blocks
+
+    def record_prefix_query(self, request: Request, hits: list[KVBlock]) -> None:
+        """Counted once, when the request is admitted."""
+        self.stats.queries += len(request.prompt_token_ids)
+        self.stats.hits += min(len(hits) * self.block_size, len(request.prompt_token_ids))
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None) -> bool:
         """Make room for num_new_tokens more tokens after the computed ones; False if out of blocks."""
@@ -179,6 +208,8 @@ class KVCacheManager:
             hashes.append(h)
             self.pool.register(blocks[i], h, chunk)
             new.append(blocks[i])
+            if self.tier is not None:
+                self.tier.store_block(blocks[i].block_id, h)
         return new
 
     def free(self, request: Request) -> None:

@@ -56,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
         self._compile(config)
+        self.kv_store = self._connect_kv_store(config)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
@@ -65,6 +66,18 @@ class LLMEngine:
         if config.compile == "inductor":
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
             self.runner.use_compiled_decode(DecodeGraphs(self.model, buckets))
+
+    def _connect_kv_store(self, config: EngineConfig):
+        """The Redis tier behind the local prefix cache, when --redis-url is set."""
+        if not (config.redis_url and config.enable_prefix_caching):
+            return None
+        from llmserve.cache.kv_store import KVTier, RedisKVStore
+
+        c = self.model_config
+        shape = (c.num_hidden_layers, 2, config.block_size, c.num_key_value_heads, c.head_dim)
+        store = RedisKVStore(config.redis_url, self.kv.namespace.replace(":", "-"), shape, self.dtype)
+        self.kv.tier = KVTier(store, self.runner.kv_caches)
+        return store
 
     @property
     def model_name(self) -> str:
@@ -227,4 +240,5 @@ class LLMEngine:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            kv_store=self.kv_store.stats.as_dict() if self.kv_store else {},
         )

@@ -87,6 +87,7 @@ class Scheduler:
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
             if req.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
+                self.kv.record_prefix_query(req, computed)
                 req.num_cached_tokens = num_cached
                 req.timeline.first_scheduled = time.time()
             req.status = RequestStatus.RUNNING
