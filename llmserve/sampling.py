@@ -56,7 +56,7 @@ class SamplingParams:
         )
         _check(_num(self.temperature) and 0 <= self.temperature <= 100, f"temperature must be in [0, 100], got {self.temperature}", "temperature")
         _check(_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1 (off) or a positive integer, got {self.top_k}", "top_k")
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k < 2**31, f"top_k must be -1 (off) or a positive integer, got {self.top_k}", "top_k")
         _check(_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         _check(_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}", "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -68,7 +68,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS), f"{name} must be in [0, {MAX_LOGPROBS}]", name)
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed must be an integer", "seed")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**64),
+            "seed must be an integer in [-2^63, 2^64)", "seed",
+        )
         _check(all(isinstance(s, str) for s in self.stop) and len(self.stop) <= 16, "stop must be a string or a list of at most 16 strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers", "stop_token_ids")
         if self.logit_bias:

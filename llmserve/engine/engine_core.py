@@ -120,7 +120,7 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request has "
                 f"{n_prompt} prompt tokens and max_tokens {max_tokens} ({n_prompt + max_tokens} in total)",
-                "max_tokens" if params.max_tokens else "prompt",
+                "prompt" if n_prompt >= self.max_model_len else "max_tokens",
             )
         if self.kv.blocks_needed(n_prompt + max_tokens) > self.kv.pool.num_usable:
             raise PromptTooLongError(

@@ -113,7 +113,8 @@ def _process_row(row: torch.Tensor, r: Request) -> None:
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params])
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     if bool((top_k >= logits.shape[-1]).all()) and bool((top_p >= 1.0).all()):
         return logits

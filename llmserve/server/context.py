@@ -1,0 +1,73 @@
+"""ServerContext: what every route needs (engine, config, served model), and the drain state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from llmserve.config import ServerConfig
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.engine_core import LLMEngine
+from llmserve.server.errors import NotFoundError
+from llmserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("llmserve.server")
+
+
+@dataclass(slots=True)
+class ServerContext:
+    engine: LLMEngine  # validation and tokenizer only; the engine thread owns its state
+    async_engine: AsyncEngine
+    config: ServerConfig
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
+    loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set at startup
+    _deadline: asyncio.TimerHandle | None = field(default=None, init=False)  # aborts what is left
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        """`model` may be omitted; otherwise it must name the served model."""
+        if name is not None and name != self.model_name:
+            raise NotFoundError(f"the model `{name}` does not exist; this server serves `{self.model_name}`", "model", "model_not_found")
+
+    def begin_shutdown(self) -> None:
+        """Any thread (a signal handler): refuse new requests, abort the rest after the grace period."""
+        self.draining = True
+        if self.loop is not None and self._deadline is None:
+            self.loop.call_soon_threadsafe(self._arm_deadline)
+
+    def _arm_deadline(self) -> None:
+        if self._deadline is None:
+            grace = max(0.0, self.config.shutdown_timeout)
+            logger.info("shutting down: in-flight requests have %.1fs to finish", grace)
+            self._deadline = self.loop.call_later(grace, self._abort_in_flight)  # type: ignore[union-attr]
+
+    def _abort_in_flight(self) -> None:
+        n = len(self.async_engine.streams)
+        if n:
+            logger.info("grace period over: aborting %d request(s)", n)
+        self.async_engine.abort_all()
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

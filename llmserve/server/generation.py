@@ -1,0 +1,157 @@
+"""Generation: the engine requests behind one API request (n samples of each prompt), merged
+into one stream of deltas, with per-choice totals and usage.
+
+Lifecycle: Generation(...) validates every child (typed errors, nothing submitted yet);
+`await start()` submits them all and returns once each is accepted and has produced its first
+delta, so a refusal (429) or a dead engine (503) becomes an HTTP status rather than a broken
+stream; `async for choice, delta in events()` yields until every child has finished;
+`close()` (idempotent, synchronous) aborts any child still running. Whoever holds a started
+Generation must close it: the SSE response does so when the stream ends or the client goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from llmserve.engine.llm import child_params
+from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.request import Request, TokenLogprobs
+from llmserve.sampling import SamplingParams
+from llmserve.server.context import ServerContext
+from llmserve.server.errors import ShuttingDownError
+
+
+@dataclass(slots=True)
+class Choice:
+    """One output sequence as its deltas arrive."""
+
+    index: int  # prompt_index * n + sample index, as OpenAI numbers choices
+    prompt_index: int
+    request: Request
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine step added to one choice (generated tokens dropped when scoring only)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+    first_token_index: int  # output position of token_ids[0]
+
+
+class Generation:
+    def __init__(
+        self,
+        ctx: ServerContext,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        arrival: float | None = None,
+        score_only: bool = False,  # max_tokens 0: run one step for the prompt logprobs, drop the token
+    ):
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prompts = prompts
+        self.score_only = score_only
+        arrival = time.time() if arrival is None else arrival
+        self.choices: list[Choice] = []
+        for p, ids in enumerate(prompts):
+            for i in range(params.n):
+                idx = p * params.n + i
+                req = ctx.engine.make_request(f"{request_id}-{idx}", ids, child_params(params, i), arrival)
+                self.choices.append(Choice(idx, p, req))
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._buffer: deque[tuple[int, RequestOutput]] = deque()  # first deltas, read by start()
+
+    async def start(self) -> None:
+        if self.ctx.draining:
+            raise ShuttingDownError("the server is shutting down")
+        self._tasks = [asyncio.create_task(self._pump(c.index, c.request)) for c in self.choices]
+        try:
+            started: set[int] = set()
+            while len(started) < len(self.choices):
+                i, item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                started.add(i)
+                self._buffer.append((i, item))
+        except BaseException:
+            self.close()
+            raise
+
+    async def _pump(self, index: int, req: Request) -> None:
+        try:
+            async for out in self.ctx.async_engine.generate(req):
+                self._queue.put_nowait((index, out))
+        except Exception as e:  # overload, engine death: the consumer raises it
+            self._queue.put_nowait((index, e))
+
+    def close(self) -> None:
+        """Abort every unfinished child (cancelling its generate() sends the abort)."""
+        for t in self._tasks:
+            t.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[Choice, Delta]]:
+        """(choice, delta) in arrival order, until every choice has finished."""
+        pending = sum(not c.finished for c in self.choices)
+        while pending:
+            if self._buffer:
+                i, item = self._buffer.popleft()
+            else:
+                i, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            choice = self.choices[i]
+            delta = self._apply(choice, item)
+            if choice.finished:
+                pending -= 1
+            yield choice, delta
+
+    def _apply(self, c: Choice, out: RequestOutput) -> Delta:
+        first = out.num_output_tokens - len(out.new_token_ids)
+        if self.score_only:  # the one sampled token is not part of the answer
+            reason = out.finish_reason and ("abort" if out.finish_reason == "abort" else "length")
+            delta, stop_reason = Delta([], "", [], reason, first), None
+        else:
+            delta, stop_reason = Delta(out.new_token_ids, out.new_text, out.new_logprobs, out.finish_reason, first), out.stop_reason
+            c.text += out.new_text
+            c.token_ids += out.new_token_ids
+            c.logprobs += out.new_logprobs
+        if out.finished:
+            c.finish_reason, c.stop_reason, c.num_cached_tokens = delta.finish_reason, stop_reason, out.num_cached_tokens
+        return delta
+
+    async def run(self) -> list[Choice]:
+        """Non-streaming: every choice to the end."""
+        async for _ in self.events():
+            pass
+        return self.choices
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        n = len(self.choices) // len(self.prompts)
+        cached = sum(self.choices[p * n].num_cached_tokens for p in range(len(self.prompts)))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }

@@ -1,0 +1,199 @@
+"""Request bodies: read (size and content-type limits, JSON), typed (pydantic, strict), and
+turned into SamplingParams. Types and shapes are checked here; value ranges are checked once, by
+SamplingParams.validate, so the offline API and the server agree. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+
+from llmserve.errors import InvalidRequestError
+from llmserve.sampling import SamplingParams
+from llmserve.server.errors import PayloadTooLargeError, UnsupportedMediaTypeError
+
+INT64 = 2**63 - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 415 for a non-JSON content type, 413 past `limit` bytes."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise UnsupportedMediaTypeError(f"the body must be JSON (Content-Type: application/json), got {ctype!r}")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise PayloadTooLargeError(f"the request body is larger than the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:  # a chunked body, or a Content-Length that lied
+            raise PayloadTooLargeError(f"the request body is larger than the limit of {limit} bytes")
+    try:
+        data = json.loads(bytes(body), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequestError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return data
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> Self:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise _invalid(e) from None
+
+
+def _invalid(e: ValidationError) -> InvalidRequestError:
+    errors = e.errors(include_url=False)
+    loc = errors[0]["loc"]
+    head: list[str | int] = []
+    for part in loc:  # union branches show up in loc as type tags ("str", "list[int]")
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
+            break
+        head.append(part)
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in head).lstrip(".") or None
+    if len(head) < len(loc):
+        tags = dict.fromkeys(str(err["loc"][len(head)]) for err in errors if err["loc"][: len(head)] == tuple(head) and len(err["loc"]) > len(head))
+        return InvalidRequestError(f"'{param}' must be one of: {', '.join(tags)}", param)
+    return InvalidRequestError(f"'{param}': {errors[0]['msg']}", param)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class SamplingFields(_Model):
+    """Fields every generation endpoint shares (OpenAI's, plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        def pick(v: Any, default: Any) -> Any:
+            return default if v is None else v
+
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0), repetition_penalty=pick(self.repetition_penalty, 1.0),
+            presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
+            logit_bias=_logit_bias(self.logit_bias), seed=self.seed, stop=pick(self.stop, []),
+            stop_token_ids=pick(self.stop_token_ids, []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:123"
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
+        return "\n".join(p.text or "" for p in self.content)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages for the chat template: [{"role", "content"}], roles checked."""
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", "messages")
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}", f"messages[{i}].role")
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: up to the context length
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    return_tokens_as_token_ids: bool = False
+
+
+class GenerateRequest(SamplingFields):
+    """POST /generate: exactly one of prompt / input_ids."""
+
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # top-N alternatives; the chosen token's logprob is always sent
+    add_special_tokens: bool = True
+
+
+class TokenizeRequest(_Model):
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompts only: the chat template places its own
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,77 @@
+"""Transport helpers: SSE responses that own a Generation, JSON encoding, and cancellation of
+work whose client has gone away.
+
+Cancellation paths (each ends in Generation.close(), which aborts unfinished engine requests):
+- before the response starts (queueing, prefill, any non-streaming request): `unless_disconnected`
+  races the handler against the client's http.disconnect and cancels the handler;
+- mid-stream: sse-starlette notices the disconnect (or a failed send) and stops iterating;
+  GenerationStream closes its Generation however the response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from llmserve.errors import LLMServeError
+from llmserve.server.errors import CLIENT_CLOSED_REQUEST, error_body
+from llmserve.server.generation import Generation
+
+# Hook for the response cache (in front of the engine): it marks replies "hit" or "miss" here.
+CACHE_HEADER = "x-llmserve-cache"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+class GenerationStream(EventSourceResponse):
+    """SSE (`data: <json>` events) over a started Generation; closes it when the response ends."""
+
+    def __init__(self, events: AsyncIterator[str], gen: Generation, done_marker: bool, headers: dict[str, str] | None = None):
+        super().__init__(_guard(events, done_marker), headers=headers, sep="\n")
+        self.generation = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+
+
+async def _guard(events: AsyncIterator[str], done_marker: bool) -> AsyncIterator[str]:
+    """An error after the headers went out becomes an error event; OpenAI streams end with [DONE]."""
+    try:
+        async for data in events:
+            yield data
+    except LLMServeError as e:
+        yield dumps(error_body(e))
+    if done_marker:
+        yield "[DONE]"
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run a handler (its body already read) unless the client disconnects first; then cancel it."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its finally blocks close the Generation, aborting engine requests
+    if task.done() and not task.cancelled():
+        return task.result()
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

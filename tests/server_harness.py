@@ -1,0 +1,100 @@
+"""A real uvicorn server in-process (background thread) on 127.0.0.1 with an ephemeral port.
+
+Running in-process lets tests read the engine's own stats (live.ctx.async_engine.stats).
+Torch runs on one thread: on a shared 2-core machine, intra-op threads mostly wait for each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import uvicorn
+
+from llmserve.config import EngineConfig, ServerConfig, from_sources
+from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.llm import LLM
+from llmserve.engine.outputs import EngineStats
+from llmserve.server.app import create_app
+from llmserve.server.context import ServerContext
+
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclasses.dataclass
+class LiveServer:
+    url: str
+    ctx: ServerContext
+    server: uvicorn.Server
+
+    @property
+    def model(self) -> str:
+        return self.ctx.model_name
+
+    def stats(self) -> EngineStats:
+        return self.ctx.async_engine.stats
+
+
+@contextlib.contextmanager
+def torch_threads_restored() -> Iterator[None]:
+    """Engines here set torch's (process-wide) thread count; give it back to later tests."""
+    n = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def offline_llm(model_dir: str) -> Iterator[LLM]:
+    """The offline reference, with the same engine settings as live_server."""
+    with torch_threads_restored():
+        yield LLM(model_dir, num_threads=1)
+
+
+@contextlib.contextmanager
+def live_server(model_dir: str, **options) -> Iterator[LiveServer]:
+    """options: any EngineConfig or ServerConfig field (e.g. max_num_seqs=2, max_waiting=2)."""
+    with torch_threads_restored():
+        yield from _serve(model_dir, options)
+
+
+def _serve(model_dir: str, options: dict) -> Iterator[LiveServer]:
+    engine_opts = {"num_threads": 1, **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
+    server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
+    engine = LLMEngine(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts))
+    app = create_app(engine, from_sources(ServerConfig, env={}, **server_opts))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=server_opts["log_level"], lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), 60, "the server did not start")
+    assert thread.is_alive(), "the server thread died during startup"
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", app.state.ctx, server)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, message: str, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(message)
+        time.sleep(interval)
+
+
+def sse_data(lines: Iterator[str] | list[str]) -> list[str]:
+    """The `data:` payloads of an SSE body, in order (comments and blank lines dropped)."""
+    return [line[5:].strip() for line in lines if line.startswith("data:")]
