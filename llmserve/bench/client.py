@@ -1,0 +1,107 @@
+"""One streamed request to an OpenAI-compatible server, timed the way `vllm bench serve` times it.
+
+A token chunk is an SSE chunk whose first choice carries text (completions: "text", chat:
+delta "content") or a finish_reason; a role-only or empty chunk is not a token (a server may send
+the role before prefill). TTFT = first token chunk - send; ITL = gaps between token chunks;
+latency (E2EL) = last token chunk - send. Output tokens come from the usage chunk
+(stream_options.include_usage).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from llmserve.bench.datasets import SampleRequest
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    max_tokens: int
+    start_s: float | None = None  # send time, seconds since the run began
+    status: int | None = None  # HTTP status
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    chunk_times_s: list[float] = field(default_factory=list)  # token chunks, seconds since the run began
+    prompt_tokens: int | None = None  # from usage
+    output_tokens: int | None = None  # from usage
+    finish_reason: str | None = None
+    done: bool = False  # saw data: [DONE]
+    error: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.error is None and self.ttft_s is not None and (self.done or self.finish_reason is not None)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "success": self.success}
+
+
+def request_body(endpoint: str, model: str | None, sample: SampleRequest, temperature: float, ignore_eos: bool) -> dict:
+    body: dict = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature, "max_tokens": sample.max_tokens}
+    if model is not None:
+        body["model"] = model
+    if endpoint.endswith("/chat/completions"):
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        body["max_completion_tokens"] = sample.max_tokens
+    else:
+        body["prompt"] = sample.prompt
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, t0: float) -> None:
+    """Fill `rec` as the stream arrives (a cancelled call leaves what it saw); raises on transport errors."""
+    st = time.perf_counter()
+    rec.start_s = st - t0
+    last = st
+    async with client.stream("POST", url, json=body) as resp:
+        rec.status = resp.status_code
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, SSE comments (pings), event names
+            data = line[5:].strip()
+            if data == "[DONE]":
+                rec.done = True
+                break
+            now = time.perf_counter()
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                rec.error = f"bad chunk: {data[:200]}"
+                return
+            if "error" in obj:
+                rec.error = f"error event: {json.dumps(obj['error'])[:300]}"
+                return
+            if obj.get("usage"):
+                rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+                rec.output_tokens = obj["usage"].get("completion_tokens")
+            if not _is_token_chunk(obj):
+                continue
+            if rec.ttft_s is None:
+                rec.ttft_s = now - st
+            else:
+                rec.itl_s.append(now - last)
+            last = now
+            rec.chunk_times_s.append(now - t0)
+            rec.latency_s = now - st
+            rec.finish_reason = obj["choices"][0].get("finish_reason") or rec.finish_reason
+
+
+def _is_token_chunk(obj: dict) -> bool:
+    choices = obj.get("choices")
+    if not choices:
+        return False
+    c = choices[0]
+    text = c["delta"].get("content") if "delta" in c else c.get("text")
+    return bool(text) or c.get("finish_reason") is not None

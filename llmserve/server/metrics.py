@@ -1,0 +1,196 @@
+"""Prometheus metrics of one server (GET /metrics, text format), in a registry of their own.
+
+Feeds: `on_step(outputs, engine)` is an AsyncEngine step listener (engine thread, after each
+step); `on_rejected()` is called per 429; `on_response_cache(hit)` / `on_cache_error(cache)` by
+the caches; `render()` (any thread) refreshes the gauges from the engine's stats and serializes.
+
+What is observed when:
+- generation tokens: every step, as tokens are emitted; prompt tokens: when a request's first
+  token is emitted (its prefill is done);
+- per finished request (timeline -> RequestTimings, computed once): TTFT and every ITL (aborted
+  requests too), and for stop/length only: e2e, queue, prefill, decode, request_success{finish_reason};
+  aborted requests count in request_aborted_total;
+- step duration: once per engine step (StepRecord.duration_s);
+- preemptions, prefix-cache queries/hits (in tokens), KV-store blocks: deltas of the engine's
+  cumulative stats since the last step, so the counters stay monotonic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.profiling import timings_of
+
+logger = logging.getLogger("llmserve.metrics")
+
+# The `*_created` timestamp series only add noise to a scrape (the switch is process-wide).
+disable_created_metrics()
+
+# 1 ms .. 60 s
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+           1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+FINISH_REASONS = ("stop", "length")
+CACHES = ("response", "kv_store")
+# cumulative EngineStats fields, and the keys the KV store reports in EngineStats.kv_store (its
+# contract: cumulative block counts under these names) -> our counter attribute
+ENGINE_COUNTERS = {"num_preemptions": "preemptions", "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits"}
+KV_STORE_COUNTERS = {"blocks_read": "kv_store_read", "blocks_written": "kv_store_written"}
+
+
+class ServerMetrics:
+    def __init__(self, stats_source: Callable[[], EngineStats] | None = None):
+        """stats_source: the engine's latest stats (for gauges, and the counters' baseline)."""
+        self.registry = r = CollectorRegistry()
+        self.stats_source = stats_source
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"llmserve:{name}", doc, buckets=BUCKETS, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"llmserve:{name}", doc, labels, registry=r)  # exposed as llmserve:{name}_total
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish, finished (stop/length) requests.")
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = hist("request_decode_time_seconds", "First token to finish.")
+        self.step = hist("step_duration_seconds", "One engine step (schedule, run, update).")
+
+        self.running = Gauge("llmserve:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("llmserve:num_requests_waiting", "Requests waiting for the engine.", registry=r)
+        self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.success = counter("request_success", "Requests finished by stop or length.", ("finish_reason",))
+        self.rejected = counter("request_rejected", "Requests refused because the server was overloaded (429).")
+        self.aborted = counter("request_aborted", "Requests aborted (client gone, shutdown).")
+        self.preemptions = counter("num_preemptions", "Requests preempted to free KV cache.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # caches at the edges (response cache in front of the engine, KV store behind it)
+        self.response_cache_hits = counter("response_cache_hits", "Response cache hits.")
+        self.response_cache_misses = counter("response_cache_misses", "Response cache misses (eligible requests).")
+        self.kv_store_read = counter("kv_store_blocks_read", "KV blocks read from the KV store.")
+        self.kv_store_written = counter("kv_store_blocks_written", "KV blocks written to the KV store.")
+        self.cache_errors = counter("cache_errors", "Cache backend errors (the request went on without it).", ("cache",))
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)
+        for cache in CACHES:
+            self.cache_errors.labels(cache)
+
+        self._last: dict[str, int] = {}  # cumulative engine counts at the last step
+        self._last_step = 0
+        self._baseline(stats_source() if stats_source else None)
+
+    def _baseline(self, stats: EngineStats | None) -> None:
+        """Count only what happens from now on (an engine may have run before we watch it)."""
+        self._last = {f: getattr(stats, f, 0) for f in ENGINE_COUNTERS}
+        self._last |= {k: stats.kv_store.get(k, 0) if stats else 0 for k in KV_STORE_COUNTERS}
+        self._last_step = stats.num_steps if stats else 0
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Observe `engine` (call before it starts): step listener + gauges from its stats."""
+        self.stats_source = lambda: dataclasses.replace(engine.stats, num_waiting=engine.num_waiting())
+        self._baseline(engine.stats)
+        engine.step_listeners.append(self.on_step)
+
+    # ---- feeds -------------------------------------------------------------------------------
+
+    def on_step(self, outputs: list[RequestOutput], engine: LLMEngine) -> None:
+        """Engine thread, after each step. A metrics fault is logged, never raised into the engine."""
+        try:
+            self._observe_step(outputs, engine)
+        except Exception:
+            logger.exception("metrics: observing a step failed")
+
+    def _observe_step(self, outputs: list[RequestOutput], engine: LLMEngine) -> None:
+        """Tokens, finished requests, step time, stat deltas."""
+        for o in outputs:
+            n_new = len(o.new_token_ids)
+            if n_new:
+                self.generation_tokens.inc(n_new)
+                if o.num_output_tokens == n_new:
+                    self.prompt_tokens.inc(o.num_prompt_tokens)
+            if o.finished:
+                self._on_finished(o)
+        stats = engine.get_stats()
+        new_steps = stats.num_steps - self._last_step
+        self._last_step = stats.num_steps
+        for rec in itertools.islice(reversed(engine.step_records), max(0, min(new_steps, len(engine.step_records)))):
+            self.step.observe(rec.duration_s)
+        for field_name, attr in ENGINE_COUNTERS.items():
+            self._inc_delta(field_name, getattr(stats, field_name), attr)
+        for key, attr in KV_STORE_COUNTERS.items():
+            self._inc_delta(key, stats.kv_store.get(key, 0), attr)
+        self._set_gauges(stats)
+
+    def _on_finished(self, o: RequestOutput) -> None:
+        t = timings_of(o.request.timeline)
+        if t.ttft_s is not None:
+            self.ttft.observe(t.ttft_s)
+        for gap in t.itl_s:
+            self.itl.observe(gap)
+        if o.finish_reason not in FINISH_REASONS:
+            self.aborted.inc()
+            return
+        self.success.labels(o.finish_reason).inc()
+        for hist, value in ((self.e2e, t.e2e_s), (self.queue, t.queue_s), (self.prefill, t.prefill_s), (self.decode, t.decode_s)):
+            if value is not None:
+                hist.observe(value)
+
+    def _inc_delta(self, key: str, value: int, attr: str) -> None:
+        delta = value - self._last[key]
+        self._last[key] = value
+        if delta > 0:  # a reset engine-side (never expected) must not make a counter go back
+            getattr(self, attr).inc(delta)
+
+    def on_rejected(self) -> None:
+        self.rejected.inc()
+
+    def on_response_cache(self, hit: bool) -> None:
+        (self.response_cache_hits if hit else self.response_cache_misses).inc()
+
+    def on_cache_error(self, cache: str) -> None:
+        """cache: "response" or "kv_store"."""
+        self.cache_errors.labels(cache).inc()
+
+    # ---- exposition --------------------------------------------------------------------------
+
+    def _set_gauges(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text format, gauges refreshed first."""
+        if self.stats_source is not None:
+            self._set_gauges(self.stats_source())
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def route(self, path: str = "/metrics") -> Route:
+        async def metrics(request: Request) -> Response:
+            body, content_type = self.render()
+            return Response(body, media_type=content_type)
+
+        return Route(path, metrics, methods=["GET"])
