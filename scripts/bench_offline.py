@@ -77,7 +77,7 @@ def run(dtype: str, args) -> dict[str, float]:
     ref = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=DTYPES[dtype]).eval()
     pad = llm.tokenizer.eos_token_id or 0
     k = args.hf_single
-    single = sum(lens[:k]) / sum(hf_generate(ref, [p], [n], pad) for p, n in zip(prompts[:k], lens[:k]))
+    single = sum(lens[:k]) / sum(hf_generate(ref, [p], [n], pad) for p, n in zip(prompts[:k], lens[:k], strict=True))
     nb = args.hf_batches * 16
     batched = sum(lens[:nb]) / sum(hf_generate(ref, prompts[i:i + 16], lens[i:i + 16], pad) for i in range(0, nb, 16))
     return {"hf_single": single, "hf_batch16": batched, "llmserve": ours, "bare_forward": ceiling,

@@ -12,7 +12,6 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.model.attention import AttentionMetadata
-from llmserve.model.compile import DecodeGraphs
 from llmserve.model.loader import load_model
 from llmserve.model.quantize import save_quantized
 from llmserve.model.resolve import default_gguf_path
@@ -139,7 +138,7 @@ def test_bfloat16_greedy_matches_float32_mostly(smollm):
         if r.token_ids == g.token_ids:
             same += 1
             continue
-        i = next(i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b)
+        i = next(i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=False)) if a != b)
         (t1, l1), (_, l2) = r.logprobs[i].top[:2]
         assert l1 - l2 < 0.5, f"bf16 diverged at {i} where float32 was not near a tie ({l1 - l2:.3f} nats)"
     print(f"bf16 greedy equals float32 on {same}/{len(sentences)} prompts")

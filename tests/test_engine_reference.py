@@ -39,7 +39,7 @@ def test_same_tokens_as_transformers(tiny_model, ref):
         expect, scores = reference(ref, p, 64)
         assert len(o.token_ids) == 64 and o.finish_reason == "length"
         if o.token_ids != expect:
-            i = next(i for i, (a, b) in enumerate(zip(o.token_ids, expect)) if a != b)
+            i = next(i for i, (a, b) in enumerate(zip(o.token_ids, expect, strict=True)) if a != b)
             top2 = scores[i].topk(2).values
             assert float(top2[0] - top2[1]) < 1e-3, f"first divergence at {i} is not a near-tie"
 

@@ -94,7 +94,7 @@ def test_logprobs_are_raw_and_top_n_sorted():
     ref = torch.log_softmax(lg[0], -1)
     assert lp.token_id == 3 and abs(lp.logprob - float(ref[3])) < 1e-5  # the raw model logprob
     assert [t for t, _ in lp.top] == ref.topk(5).indices.tolist()
-    assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+    assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:], strict=False))
 
 
 def test_seed_reproducible_and_independent_of_neighbours():

@@ -45,13 +45,21 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    """(parent, attribute, qualified name, layer) for every nn.Linear, collected before any swap."""
+    return [
+        (parent, attr, f"{name}.{attr}" if name else attr, child)
+        for name, parent in model.named_modules()
+        for attr, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+
+
 def quantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Replace every nn.Linear in place by an Int8Linear (the LM head included)."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                q, s = quantize_weight(child.weight.data)
-                setattr(module, child_name, Int8Linear(q, s, child.bias, dtype))
+    for parent, attr, _, layer in linear_layers(model):
+        q, s = quantize_weight(layer.weight.data)
+        setattr(parent, attr, Int8Linear(q, s, layer.bias, dtype))
     return model
 
 
@@ -80,13 +88,9 @@ def load_quantized(model: nn.Module, state: dict[str, torch.Tensor], dtype: torc
     """Build Int8Linear modules from a quantized state dict into a meta-initialised model."""
     from llmserve.errors import ModelLoadError
 
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                key = f"{name}.{child_name}" if name else child_name
-                q, s = state.pop(f"{key}.weight_int8", None), state.pop(f"{key}.weight_scale", None)
-                if q is None or s is None:
-                    raise ModelLoadError(f"{source}: quantized tensor {key}.weight_int8/.weight_scale is missing")
-                bias = state.pop(f"{key}.bias", None)
-                setattr(module, child_name, Int8Linear(q, s.float(), bias, dtype))
+    for parent, attr, key, _ in linear_layers(model):
+        q, s = state.pop(f"{key}.weight_int8", None), state.pop(f"{key}.weight_scale", None)
+        if q is None or s is None:
+            raise ModelLoadError(f"{source}: quantized tensor {key}.weight_int8/.weight_scale is missing")
+        setattr(parent, attr, Int8Linear(q, s.float(), state.pop(f"{key}.bias", None), dtype))
     return model

@@ -38,9 +38,10 @@ from llmserve.server.errors import (
     ShuttingDownError,
     error_response,
 )
+from llmserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("llmserve.server")
-OPEN_PATHS = ("/health",)  # no API key, served while draining
+OPEN_PATHS = ("/health", "/metrics")  # no API key, served while draining (Prometheus scrapes)
 
 
 class Gate:
@@ -84,6 +85,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The app over `engine`; its lifespan starts and stops the engine thread.
     app.state.ctx (ServerContext) holds the engine, the AsyncEngine and the config."""
     ctx = ServerContext(engine, AsyncEngine(engine, config.max_waiting, config.max_waiting_tokens), config)
+    metrics = ServerMetrics()
+    metrics.attach(ctx.async_engine)  # a step listener, registered before the engine thread starts
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -98,12 +101,13 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             await asyncio.to_thread(ctx.async_engine.join, 10.0)
 
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), *native.routes, *openai.routes],
+        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.state.metrics = metrics
     return app
 
 

@@ -72,6 +72,8 @@ def error_response(exc: LLMServeError, headers: dict[str, str] | None = None) ->
 
 async def _on_llmserve_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, LLMServeError)
+    if isinstance(exc, EngineOverloadedError):
+        request.app.state.metrics.on_rejected()
     return error_response(exc)
 
 

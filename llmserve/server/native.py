@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmserve.engine.request import Timeline, TokenLogprobs
+from llmserve.engine.request import TokenLogprobs
 from llmserve.errors import InvalidRequestError
+from llmserve.profiling import timings_of
 from llmserve.server.context import ServerContext, get_context, new_id
 from llmserve.server.generation import Generation
 from llmserve.server.logprobs import clean
@@ -67,7 +68,7 @@ async def _events(ctx: ServerContext, gen: Generation) -> AsyncIterator[str]:
             lp = d.logprobs[j] if j < len(d.logprobs) else None
             t = timeline.token_times[k] if k < len(timeline.token_times) else time.time()
             token = _token(ctx, tid, d.text if j == 0 else "", lp)
-            yield dumps({"token": token, "index": k, "t_ms": _ms(timeline.arrival, t)})
+            yield dumps({"token": token, "index": k, "t_ms": round((t - timeline.arrival) * 1000, 3)})
         if d.finish_reason is not None:
             yield dumps(_final(gen))
 
@@ -90,24 +91,7 @@ def _final(gen: Generation) -> dict:
         "generated_text": c.text,
         "token_ids": c.token_ids,
         "usage": gen.usage(),
-        "timings": timings(c.request.timeline),
-    }
-
-
-def _ms(start: float, end: float) -> float:
-    return round((end - start) * 1000, 3)
-
-
-def timings(tl: Timeline) -> dict:
-    """Milliseconds: queue (arrival -> first scheduled), TTFT, TPOT (mean gap after the first
-    token), end to end, and every inter-token gap."""
-    tt = list(tl.token_times)
-    return {
-        "queue_ms": _ms(tl.arrival, tl.first_scheduled) if tl.first_scheduled else None,
-        "ttft_ms": _ms(tl.arrival, tt[0]) if tt else None,
-        "tpot_ms": round(_ms(tt[0], tt[-1]) / (len(tt) - 1), 3) if len(tt) > 1 else None,
-        "e2e_ms": _ms(tl.arrival, tl.finished) if tl.finished else None,
-        "itl_ms": [_ms(a, b) for a, b in zip(tt, tt[1:], strict=False)],
+        "timings": timings_of(c.request.timeline).as_ms(),
     }
 
 
