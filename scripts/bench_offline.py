@@ -5,7 +5,9 @@ Workload (seeded): N requests, prompt lengths uniform in [32, 512], output lengt
   1. transformers generate, one request at a time (on the first --hf-single requests)
   2. transformers generate, static batches of 16 with left padding (useful tokens counted)
   3. llmserve LLM.generate with all N at once
-  4. a bare forward loop of our model at llmserve's average decode batch size: the ceiling
+  4. a bare forward loop of our model doing the same work: the same prompt tokens as 512-token
+     prefill forwards, and the same output tokens as decode steps at llmserve's average decode
+     batch size and average context. No scheduler, sampler or detokenizer: the ceiling
 Usage: python scripts/bench_offline.py [--model DIR] [--dtypes float32,bfloat16]
 """
 
@@ -18,7 +20,7 @@ import time
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.attention import AttentionMetadata
+from llmserve.model.attention import AttentionMetadata, PrefillSeq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -41,22 +43,32 @@ def hf_generate(model, prompts: list[list[int]], lens: list[int], pad_id: int) -
     return time.perf_counter() - t
 
 
-def bare_forward(llm: LLM, batch: int, context: int, steps: int = 20) -> float:
-    """Decode steps of our model alone (no scheduler, no sampler): tokens/s at this batch size."""
+def bare_forward(llm: LLM, batch: int, context: int, prompt_tokens: int, output_tokens: int, steps: int = 20) -> float:
+    """Output tokens/s of the model alone doing the workload's prefill and decode forwards."""
     model, runner = llm.engine.model, llm.engine.runner
-    bs = runner.block_size
-    per_seq = -(-(context + 1) // bs)
+    bs, chunk = runner.block_size, llm.engine.config.max_num_batched_tokens
     nblocks = runner.kv_caches[0].shape[1] - 1
+    per_seq = -(-(context + 1) // bs)
     tables = (torch.arange(batch * per_seq) % nblocks + 1).reshape(batch, per_seq)
     slots = tables[:, context // bs] * bs + context % bs
-    meta = AttentionMetadata(slots, batch, tables, torch.full((batch,), context + 1), [])
-    ids, pos = torch.randint(100, 1000, (batch,)), torch.full((batch,), context)
-    with torch.inference_mode():
-        for i in range(steps + 3):
-            if i == 3:
-                t = time.perf_counter()
-            ids = model.compute_logits(model(ids, pos, runner.kv_caches, meta)).argmax(-1)
-    return batch * steps / (time.perf_counter() - t)
+    decode = AttentionMetadata(slots, batch, tables, torch.full((batch,), context + 1), [])
+    table = torch.arange(1, -(-chunk // bs) + 1)
+    prefill = AttentionMetadata(table.repeat_interleave(bs)[:chunk] * bs + torch.arange(chunk) % bs, 0,
+                                torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                [PrefillSeq(0, chunk, chunk, table)])
+
+    def timed(ids, pos, meta, reps: int) -> float:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, runner.kv_caches, meta)[-batch:]).argmax(-1)  # warm-up
+            t = time.perf_counter()
+            for _ in range(reps):
+                model.compute_logits(model(ids, pos, runner.kv_caches, meta)[-batch:]).argmax(-1)
+        return (time.perf_counter() - t) / reps
+
+    step_s = timed(torch.randint(100, 1000, (batch,)), torch.full((batch,), context), decode, steps)
+    chunk_s = timed(torch.randint(100, 1000, (chunk,)), torch.arange(chunk), prefill, 3)
+    total_s = prompt_tokens / chunk * chunk_s + output_tokens / batch * step_s
+    return output_tokens / total_s
 
 
 def run(dtype: str, args) -> dict[str, float]:
@@ -72,7 +84,7 @@ def run(dtype: str, args) -> dict[str, float]:
     decode = [r for r in llm.engine.step_records if r.num_prefill_tokens == 0 and r.num_decode_seqs]
     avg_batch = round(sum(r.num_decode_seqs for r in decode) / max(1, len(decode)))
     avg_ctx = int(sum(map(len, prompts)) / len(prompts) + sum(lens) / len(lens) / 2)
-    ceiling = bare_forward(llm, avg_batch, avg_ctx)
+    ceiling = bare_forward(llm, avg_batch, avg_ctx, sum(map(len, prompts)), sum(lens))
 
     ref = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=DTYPES[dtype]).eval()
     pad = llm.tokenizer.eos_token_id or 0
@@ -99,7 +111,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         r = run(dtype, args)
         print(f"| {dtype} | {r['hf_single']:.1f} | {r['hf_batch16']:.1f} | {r['llmserve']:.1f} | "
-              f"{r['bare_forward']:.1f} (batch {r['avg_decode_batch']}) | {r['llmserve'] / r['hf_single']:.1f}x | "
+              f"{r['bare_forward']:.1f} (decode batch {r['avg_decode_batch']}) | {r['llmserve'] / r['hf_single']:.1f}x | "
               f"{r['llmserve'] / r['hf_batch16']:.2f}x | {r['llmserve'] / r['bare_forward']:.2f}x |", flush=True)
 
 

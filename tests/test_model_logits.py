@@ -112,3 +112,13 @@ def test_mixed_batch(pair):
     expect = [ref_logits(ref, seqs[0][:21])[-1:], ref_logits(ref, seqs[1])[-1:], ref_logits(ref, seqs[2])[10:], ref_logits(ref, seqs[3])]
     for g, e in zip(got, expect, strict=True):
         assert (g - e).abs().max() <= TOL
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_model, tmp_path):
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ref.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 1
+    t = tokens(20, 8)
+    a = Paged(load_model(tmp_path, torch.float32)).run([(0, t)])[0]
+    b = Paged(load_model(tiny_model, torch.float32)).run([(0, t)])[0]
+    assert torch.equal(a, b)
