@@ -36,6 +36,7 @@ class EngineConfig:
     seed: int = _opt(0, "seed of the engine's default random generator")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice)")
     redis_url: str | None = _opt(None, "Redis URL for the shared response cache and KV tier")
+    redis_timeout: float = _opt(0.05, "seconds before a Redis call gives up (it counts as a miss)")
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ import torch
 
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import KVCacheManager
+from llmserve.engine.cpu_runtime import keep_large_allocations
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from llmserve.engine.outputs import EngineStats, RequestOutput
@@ -37,6 +38,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_large_allocations()
         if config.compile == "tensorrt":
             check_tensorrt()  # before the (slow) model load: fail at once
         self.model_dir = resolve_model(config.model)
@@ -75,7 +77,8 @@ class LLMEngine:
 
         c = self.model_config
         shape = (c.num_hidden_layers, 2, config.block_size, c.num_key_value_heads, c.head_dim)
-        store = RedisKVStore(config.redis_url, self.kv.namespace.replace(":", "-"), shape, self.dtype)
+        namespace = self.kv.namespace.replace(":", "-")
+        store = RedisKVStore(config.redis_url, namespace, shape, self.dtype, timeout_s=config.redis_timeout)
         self.kv.tier = KVTier(store, self.runner.kv_caches)
         return store
 

@@ -31,14 +31,14 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (null-block padded)
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length incl. the new token
     prefills: list[PrefillSeq]
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size]: 0 or -inf
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size] fp32: 0 or -inf
 
-    def prepare_decode_bias(self, block_size: int, dtype: torch.dtype) -> None:
-        """Build the padding mask once per forward; every layer shares it."""
+    def prepare_decode_bias(self, block_size: int) -> None:
+        """Build the padding mask (fp32) once per forward; every layer shares it."""
         if self.num_decodes and self.decode_bias is None:
             width = self.decode_block_tables.shape[1] * block_size
             pad = torch.arange(width)[None, :] >= self.decode_seq_lens[:, None]
-            bias = torch.zeros(pad.shape, dtype=dtype).masked_fill_(pad, float("-inf"))
+            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
             self.decode_bias = bias[:, None, None, :]
 
 
@@ -76,16 +76,19 @@ class KVCacheAttention(torch.nn.Module):
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [D, H, hd]; each sequence's blocks gathered: [D, max_blocks*block_size, kvh, hd]
+        # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
         d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
-        tables = meta.decode_block_tables
-        keys = k_cache[tables].view(d, -1, kvh, hd).transpose(1, 2)
-        vals = v_cache[tables].view(d, -1, kvh, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys.to(q.dtype), vals.to(q.dtype), attn_mask=meta.decode_bias,
-            scale=self.scale, enable_gqa=kvh != self.num_heads,
-        )
-        return out[:, :, 0, :]
+        keys, vals = _gather(k_cache, meta.decode_block_tables), _gather(v_cache, meta.decode_block_tables)
+        if q.dtype == torch.float32:  # the CPU flash kernel is the fastest fp32 path
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=meta.decode_bias,
+                scale=self.scale, enable_gqa=kvh != self.num_heads,
+            )
+            return out[:, :, 0, :]
+        # bf16: that kernel is slow for a single query; bf16 matmuls with an fp32 softmax are not
+        scores = torch.matmul(q.view(d, kvh, -1, hd), keys.permute(0, 2, 3, 1)).float()  # [D, kvh, g, L]
+        probs = torch.softmax(scores * self.scale + meta.decode_bias, dim=-1).to(vals.dtype)
+        return torch.matmul(probs, vals.transpose(1, 2)).reshape(d, self.num_heads, hd)
 
     def _prefill(self, q, k_new, v_new, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
         # q: [n, H, hd]; a fresh prompt attends to its own K/V, a continued one reads the cache.
@@ -93,8 +96,8 @@ class KVCacheAttention(torch.nn.Module):
         if p.context_len == n:
             keys, vals, mask, causal = k_new, v_new, None, True
         else:
-            keys = k_cache[p.block_table].view(-1, kvh, hd)[: p.context_len]
-            vals = v_cache[p.block_table].view(-1, kvh, hd)[: p.context_len]
+            keys = _gather(k_cache, p.block_table).view(-1, kvh, hd)[: p.context_len]
+            vals = _gather(v_cache, p.block_table).view(-1, kvh, hd)[: p.context_len]
             q_pos = torch.arange(p.context_len - n, p.context_len, device=q.device)
             mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
             causal = False
@@ -108,3 +111,11 @@ class KVCacheAttention(torch.nn.Module):
             enable_gqa=kvh != self.num_heads,
         )
         return out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, kvh, hd], tables [..., n] -> [..., n*block_size, kvh, hd].
+    index_select over whole blocks (rows) is a plain row copy, much faster than fancy indexing."""
+    nb, bs, kvh, hd = cache.shape
+    rows = cache.view(nb, -1).index_select(0, tables.flatten())
+    return rows.view(*tables.shape[:-1], tables.shape[-1] * bs, kvh, hd)

@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
-        meta.prepare_decode_bias(kv_caches[0].shape[2], x.dtype)
+        meta.prepare_decode_bias(kv_caches[0].shape[2])
         rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)
