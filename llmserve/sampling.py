@@ -82,9 +82,11 @@ class SamplingParams:
             _check(0 <= tid < vocab_size, f"token id {tid} is outside the vocabulary (size {vocab_size})", "logit_bias")
 
     def canonical(self) -> dict:
-        """A stable dict of everything that changes the output (for cache keys)."""
+        """A stable dict of everything that changes the output (for cache keys): 0 and 0.0 agree."""
         d = asdict(self)
-        d["logit_bias"] = sorted((self.logit_bias or {}).items())
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            d[name] = float(d[name])
+        d["logit_bias"] = sorted((t, float(b)) for t, b in (self.logit_bias or {}).items())
         return d
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded random-weight model folders (built once per test session)."""
+"""Shared fixtures: seeded random-weight model folders (built once per test session) and a real
+redis-server on a free loopback port (tests/redis_fixture.py)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,18 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_factory) -> str:
     return model_factory("tiny")
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A running redis-server on a free loopback port (skipped if the binary is missing)."""
+    from redis_fixture import REDIS_SERVER, SKIP_REASON, RedisServer
+
+    if not REDIS_SERVER:
+        pytest.skip(SKIP_REASON)
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

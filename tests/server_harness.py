@@ -1,6 +1,8 @@
-"""A real uvicorn server in-process (background thread) on 127.0.0.1 with an ephemeral port.
+"""A real uvicorn server in-process (background thread) on 127.0.0.1 with an ephemeral port, or
+`llmserve serve` as a subprocess (server_process: e.g. replicas sharing one Redis).
 
-Running in-process lets tests read the engine's own stats (live.ctx.async_engine.stats).
+Running in-process lets tests read the engine's own stats (live.ctx.async_engine.stats); a
+subprocess server's figures come from GET /stats.
 Torch runs on one thread: on a shared 2-core machine, intra-op threads mostly wait for each other.
 """
 
@@ -8,11 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import httpx
 import torch
 import uvicorn
 
@@ -69,7 +76,9 @@ def _serve(model_dir: str, options: dict) -> Iterator[LiveServer]:
     server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
     engine = LLMEngine(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts))
     app = create_app(engine, from_sources(ServerConfig, env={}, **server_opts))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, as uvicorn binds its own: asyncio sets TCP_NODELAY only on such sockets
+    # (without it, a JSON reply on a kept-alive connection waits ~40 ms for a delayed ACK)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -98,3 +107,38 @@ def wait_for(cond: Callable[[], bool], timeout: float, message: str, interval: f
 def sse_data(lines: Iterator[str] | list[str]) -> list[str]:
     """The `data:` payloads of an SSE body, in order (comments and blank lines dropped)."""
     return [line[5:].strip() for line in lines if line.startswith("data:")]
+
+
+@contextlib.contextmanager
+def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90) -> Iterator[str]:
+    """`python -m llmserve.cli serve --model DIR --port P ARGS...` on a free port; yields its URL
+    once /health answers 200; SIGTERM (then SIGKILL) on exit. Its log goes to log_path."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model_dir, "--port", str(port),
+           "--num-threads", "1", "--log-level", "warning", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_")}
+    with open(log_path, "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_for(lambda: proc.poll() is not None or _healthy(url), timeout_s, f"{url} did not come up")
+            if proc.poll() is not None:
+                log.seek(0)
+                raise AssertionError(f"the server exited with {proc.returncode}: {log.read()[-3000:]}")
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -26,11 +26,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine_core import LLMEngine
 from llmserve.errors import EngineDeadError, LLMServeError
-from llmserve.server import native, openai
+from llmserve.server import native, openai, stats
 from llmserve.server.context import ServerContext, get_context
 from llmserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -83,8 +84,11 @@ async def health(request: Request) -> Response:
 
 def create_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The app over `engine`; its lifespan starts and stops the engine thread.
-    app.state.ctx (ServerContext) holds the engine, the AsyncEngine and the config."""
-    ctx = ServerContext(engine, AsyncEngine(engine, config.max_waiting, config.max_waiting_tokens), config)
+    app.state.ctx (ServerContext) holds the engine, the AsyncEngine, the config and the response
+    cache (in process, or in Redis when the engine has a --redis-url)."""
+    cache = make_response_cache(config.response_cache, config.response_cache_ttl, config.response_cache_bytes,
+                                engine.config.redis_url, engine.config.redis_timeout)
+    ctx = ServerContext(engine, AsyncEngine(engine, config.max_waiting, config.max_waiting_tokens), config, cache)
     metrics = ServerMetrics()
     metrics.attach(ctx.async_engine)  # a step listener, registered before the engine thread starts
 
@@ -99,9 +103,11 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             ctx.async_engine.abort_all()
             ctx.async_engine.stop()
             await asyncio.to_thread(ctx.async_engine.join, 10.0)
+            if ctx.response_cache is not None:
+                await ctx.response_cache.close()
 
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes],
+        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *stats.routes],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,

@@ -1,4 +1,5 @@
-"""ServerContext: what every route needs (engine, config, served model), and the drain state."""
+"""ServerContext: what every route needs (engine, config, served model, response cache), and the
+drain state."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
 from llmserve.config import ServerConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine_core import LLMEngine
@@ -24,6 +26,7 @@ class ServerContext:
     engine: LLMEngine  # validation and tokenizer only; the engine thread owns its state
     async_engine: AsyncEngine
     config: ServerConfig
+    response_cache: ResponseCache | None = None  # None: --no-response-cache
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set at startup
@@ -32,6 +35,11 @@ class ServerContext:
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def response_cache_stats(self) -> ResponseCacheStats:
+        """hits, misses, errors, rejected, stored (all zero when the cache is off)."""
+        return self.response_cache.stats if self.response_cache is not None else ResponseCacheStats()
 
     @property
     def tokenizer(self) -> Tokenizer:

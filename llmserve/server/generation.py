@@ -7,6 +7,11 @@ delta, so a refusal (429) or a dead engine (503) becomes an HTTP status rather t
 stream; `async for choice, delta in events()` yields until every child has finished;
 `close()` (idempotent, synchronous) aborts any child still running. Whoever holds a started
 Generation must close it: the SSE response does so when the stream ends or the client goes.
+
+Response cache (the one place in front of the engine): a deterministic request (temperature 0
+or a seed, n == 1, not opted out) is looked up in `start()`; a hit replays the recorded engine
+outputs instead of submitting anything (cache_status "hit"); a miss records its outputs and,
+once every choice finished without an abort, stores them.
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from llmserve.cache.response_cache import ResponseRecord, cache_key
 from llmserve.engine.llm import child_params
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.sampling import SamplingParams
 from llmserve.server.context import ServerContext
 from llmserve.server.errors import ShuttingDownError
+from llmserve.server.replay import record_choice, replay_choice
+
+CACHE_HEADER = "x-llmserve-cache"  # on every generation response: "hit" or "miss"
 
 
 @dataclass(slots=True)
@@ -64,6 +73,7 @@ class Generation:
         params: SamplingParams,
         arrival: float | None = None,
         score_only: bool = False,  # max_tokens 0: run one step for the prompt logprobs, drop the token
+        use_cache: bool = True,  # the request's "cache" field
     ):
         self.ctx = ctx
         self.request_id = request_id
@@ -79,10 +89,28 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._buffer: deque[tuple[int, RequestOutput]] = deque()  # first deltas, read by start()
+        self.cache_key = self._cache_key(params, use_cache)
+        self.cache_status = "miss"  # "hit": answered from the response cache
+        # engine outputs per choice, kept while a cacheable request runs
+        self._recorded: list[list[RequestOutput]] | None = [[] for _ in self.choices] if self.cache_key else None
+
+    def _cache_key(self, params: SamplingParams, use_cache: bool) -> str | None:
+        if self.ctx.response_cache is None or not use_cache or params.n != 1 or not params.deterministic:
+            return None
+        return cache_key(
+            self.ctx.engine.fingerprint, self.prompts, params.canonical(), score_only=self.score_only,
+            max_model_len=self.ctx.max_model_len, eos=list(self.choices[0].request.eos_token_ids),
+        )
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {CACHE_HEADER: self.cache_status}
 
     async def start(self) -> None:
         if self.ctx.draining:
             raise ShuttingDownError("the server is shutting down")
+        if self.cache_key is not None and await self._replay():
+            return
         self._tasks = [asyncio.create_task(self._pump(c.index, c.request)) for c in self.choices]
         try:
             started: set[int] = set()
@@ -95,6 +123,24 @@ class Generation:
         except BaseException:
             self.close()
             raise
+
+    async def _replay(self) -> bool:
+        """A hit: queue the recorded outputs as if the engine had produced them."""
+        record = await self.ctx.response_cache.lookup(self.cache_key, len(self.choices))  # type: ignore[union-attr, arg-type]
+        if record is None:
+            return False
+        self.cache_status, self._recorded = "hit", None
+        now = time.time()
+        for c, cached in zip(self.choices, record.choices, strict=True):
+            self._buffer.extend((c.index, out) for out in replay_choice(cached, c.request, now))
+        return True
+
+    def _store(self) -> None:
+        if self._recorded is None or any(c.finish_reason == "abort" for c in self.choices):
+            return
+        choices = [record_choice(outs, c.request) for outs, c in zip(self._recorded, self.choices, strict=True)]
+        self.ctx.response_cache.store(self.cache_key, ResponseRecord(choices))  # type: ignore[union-attr, arg-type]
+        self._recorded = None
 
     async def _pump(self, index: int, req: Request) -> None:
         try:
@@ -122,9 +168,13 @@ class Generation:
             delta = self._apply(choice, item)
             if choice.finished:
                 pending -= 1
+                if not pending:
+                    self._store()
             yield choice, delta
 
     def _apply(self, c: Choice, out: RequestOutput) -> Delta:
+        if self._recorded is not None:
+            self._recorded[c.index].append(out)
         first = out.num_output_tokens - len(out.new_token_ids)
         if self.score_only:  # the one sampled token is not part of the answer
             reason = out.finish_reason and ("abort" if out.finish_reason == "abort" else "length")

@@ -30,7 +30,7 @@ from llmserve.server.protocol import (
     chat_messages,
     read_json,
 )
-from llmserve.server.streaming import GenerationStream, dumps, unless_disconnected
+from llmserve.server.streaming import GenerationStream, dumps, json_response, unless_disconnected
 
 
 async def generate(request: Request) -> Response:
@@ -48,7 +48,7 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
         raise InvalidRequestError("/generate makes one sequence (n must be 1); use /v1/completions for more", "n")
     ids = ctx.tokenizer.encode(body.prompt, body.add_special_tokens) if body.prompt is not None else body.input_ids
     params = body.sampling_params(body.max_tokens, logprobs=body.logprobs or 0)
-    gen = Generation(ctx, new_id("gen"), [ids or []], params, arrival)
+    gen = Generation(ctx, new_id("gen"), [ids or []], params, arrival, use_cache=body.cache)
     await gen.start()
     if body.stream:
         return GenerationStream(_events(ctx, gen), gen, done_marker=False)
@@ -56,7 +56,7 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
         await gen.run()
     finally:
         gen.close()
-    return JSONResponse(_final(gen))
+    return json_response(_final(gen), gen)
 
 
 async def _events(ctx: ServerContext, gen: Generation) -> AsyncIterator[str]:

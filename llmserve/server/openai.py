@@ -28,7 +28,7 @@ from llmserve.server.protocol import (
     chat_messages,
     read_json,
 )
-from llmserve.server.streaming import GenerationStream, dumps, unless_disconnected
+from llmserve.server.streaming import GenerationStream, dumps, json_response, unless_disconnected
 
 
 class _Reply:
@@ -76,7 +76,7 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
         raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed with echo, to score the prompt)", "max_tokens")
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, prompt_logprobs)
-    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only)
+    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache)
     await gen.start()
     reply = _CompletionReply(ctx, gen, body)
     if body.stream:
@@ -85,7 +85,7 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
         await gen.run()
     finally:
         gen.close()
-    return JSONResponse(reply.full())
+    return json_response(reply.full(), gen)
 
 
 class _CompletionReply(_Reply):
@@ -148,7 +148,7 @@ async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float)
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival)
+    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache)
     await gen.start()
     reply = _ChatReply(ctx, gen, body)
     if body.stream:
@@ -157,7 +157,7 @@ async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float)
         await gen.run()
     finally:
         gen.close()
-    return JSONResponse(reply.full())
+    return json_response(reply.full(), gen)
 
 
 class _ChatReply(_Reply):

@@ -99,6 +99,7 @@ class SamplingFields(_Model):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache: bool = True  # false: never answered from (nor stored in) the response cache
 
     @property
     def include_usage(self) -> bool:

@@ -17,26 +17,31 @@ from typing import Any
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from llmserve.errors import LLMServeError
 from llmserve.server.errors import CLIENT_CLOSED_REQUEST, error_body
-from llmserve.server.generation import Generation
+from llmserve.server.generation import CACHE_HEADER, Generation
 
-# Hook for the response cache (in front of the engine): it marks replies "hit" or "miss" here.
-CACHE_HEADER = "x-llmserve-cache"
+__all__ = ["CACHE_HEADER", "GenerationStream", "dumps", "json_response", "unless_disconnected"]
 
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+def json_response(body: dict, gen: Generation) -> JSONResponse:
+    """A whole (non-streaming) response, marked with the response cache's verdict."""
+    return JSONResponse(body, headers=gen.headers)
+
+
 class GenerationStream(EventSourceResponse):
-    """SSE (`data: <json>` events) over a started Generation; closes it when the response ends."""
+    """SSE (`data: <json>` events) over a started Generation; closes it when the response ends.
+    Its headers carry the response cache's verdict (x-llmserve-cache: hit | miss)."""
 
     def __init__(self, events: AsyncIterator[str], gen: Generation, done_marker: bool, headers: dict[str, str] | None = None):
-        super().__init__(_guard(events, done_marker), headers=headers, sep="\n")
+        super().__init__(_guard(events, done_marker), headers={**gen.headers, **(headers or {})}, sep="\n")
         self.generation = gen
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,0 +1,34 @@
+"""GET /stats: the engine's and the response cache's figures as JSON (read-only, behind the API
+key like every route but /health), so a client can read a server in another process.
+
+{"engine": EngineStats (kv_store: the Redis KV tier's blocks_read / blocks_written /
+blocks_rejected / errors / dropped, {} without Redis), "response_cache": {"enabled", "backend",
+"hits", "misses", "errors", "rejected", "stored"}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llmserve.server.context import get_context
+
+
+async def stats(request: Request) -> Response:
+    ctx = get_context(request)
+    engine = dataclasses.asdict(ctx.async_engine.stats)
+    if ctx.engine.kv_store is not None:  # fresh: its writes land from a writer thread, between steps
+        engine["kv_store"] = ctx.engine.kv_store.stats.as_dict()
+    cache = ctx.response_cache
+    response_cache = {
+        "enabled": cache is not None,
+        "backend": None if cache is None else "redis" if cache.redis is not None else "memory",
+        **ctx.response_cache_stats.as_dict(),
+    }
+    return JSONResponse({"engine": engine, "response_cache": response_cache})
+
+
+routes = [Route("/stats", stats, methods=["GET"])]
