@@ -8,7 +8,7 @@ Value layout (never pickle; Redis contents are untrusted):
 A value whose magic, version, dtype, shape, length or checksum does not match is ignored and
 counted as rejected. Keys: llmserve:kv:<namespace>:<hash hex>; namespace = model fingerprint,
 dtype and block size. Writes go behind, from a thread, pipelined in batches; reads are one
-pipelined round trip of MGETs of FETCH_BATCH blocks each, so Redis starts answering at once and no
+pipelined round trip of MGETs of BATCH blocks each, so Redis starts answering at once and no
 socket read waits long. Any Redis error or a timeout (default 50 ms per socket operation) counts
 as a miss and trips the circuit breaker.
 """
@@ -19,6 +19,7 @@ import json
 import logging
 import queue
 import threading
+import warnings
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -29,7 +30,7 @@ from llmserve.cache.breaker import CircuitBreaker
 logger = logging.getLogger("llmserve.cache")
 MAGIC = b"LLMSKV"
 VERSION = 2
-FETCH_BATCH = 8  # blocks per MGET inside one pipelined fetch
+BATCH = 8  # blocks per MGET in a fetch, and per pipelined write: ~6 MB, answered well within 50 ms
 
 
 @dataclass(slots=True)
@@ -69,7 +70,9 @@ def decode_block(raw: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torc
         )
         if not ok:
             return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+        with warnings.catch_warnings():  # a read-only view of `raw`: callers only copy from it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
     except (ValueError, RuntimeError, UnicodeDecodeError, AttributeError, TypeError):
         return None
 
@@ -79,7 +82,10 @@ class RedisKVStore:
                  ttl_s: int = 3600, timeout_s: float = 0.05, max_pending: int = 1024):
         import redis
 
+        # reads sit on the engine's critical path and must fail fast; writes run behind, in a thread
+        # that a busy engine may starve for a while, so only their connect timeout is short
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.write_client = redis.Redis.from_url(url, socket_timeout=max(1.0, timeout_s), socket_connect_timeout=timeout_s)
         self.prefix = f"llmserve:kv:{namespace}:"
         self.shape, self.dtype, self.ttl_s = shape, dtype, ttl_s
         self.breaker = CircuitBreaker("kv-store")
@@ -106,8 +112,8 @@ class RedisKVStore:
             return []
         try:
             pipe = self.client.pipeline(transaction=False)
-            for i in range(0, len(hashes), FETCH_BATCH):
-                pipe.mget([self.key(h) for h in hashes[i : i + FETCH_BATCH]])
+            for i in range(0, len(hashes), BATCH):
+                pipe.mget([self.key(h) for h in hashes[i : i + BATCH]])
             raws = [raw for batch in pipe.execute() for raw in batch]
             self.breaker.success()
         except Exception as e:  # redis-py raises many kinds (timeouts, connection, protocol)
@@ -131,7 +137,7 @@ class RedisKVStore:
             if item is None:
                 return
             batch = [item]
-            while len(batch) < 64 and not self.pending.empty():
+            while len(batch) < BATCH and not self.pending.empty():
                 nxt = self.pending.get_nowait()
                 if nxt is None:
                     return
@@ -142,7 +148,7 @@ class RedisKVStore:
         if not self.breaker.allow():
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.write_client.pipeline(transaction=False)
             for h, kv in batch:
                 pipe.set(self.key(h), encode_block(kv), ex=self.ttl_s)
             pipe.execute()
