@@ -77,15 +77,7 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, prompt_logprobs)
     gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache)
-    await gen.start()
-    reply = _CompletionReply(ctx, gen, body)
-    if body.stream:
-        return GenerationStream(reply.stream(), gen, done_marker=True)
-    try:
-        await gen.run()
-    finally:
-        gen.close()
-    return json_response(reply.full(), gen)
+    return await _respond(gen, _CompletionReply(ctx, gen, body), body.stream)
 
 
 class _CompletionReply(_Reply):
@@ -149,9 +141,13 @@ async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache)
+    return await _respond(gen, _ChatReply(ctx, gen, body), body.stream)
+
+
+async def _respond(gen: Generation, reply: _Reply, stream: bool) -> Response:
+    """Start the generation (429/503 surface here), then stream it as SSE or answer once."""
     await gen.start()
-    reply = _ChatReply(ctx, gen, body)
-    if body.stream:
+    if stream:
         return GenerationStream(reply.stream(), gen, done_marker=True)
     try:
         await gen.run()
