@@ -58,6 +58,9 @@ class DecodeGraphs:
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
         inductor_config.fx_graph_cache = True  # a second start reuses compiled graphs
+        # one graph per bucket (a static and a dynamic-width one each), for every dtype in the
+        # process: more than dynamo's default of 8 per function
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
         self.model = model
         self.buckets = tuple(sorted(buckets))
         self.fn: Callable = torch.compile(self._decode, fullgraph=True)
