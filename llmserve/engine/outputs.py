@@ -44,7 +44,6 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def text(self) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qwen2: q/k/v have bias
     quantization: str | None = None  # quantization_config.quant_method of a quantized checkpoint
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
