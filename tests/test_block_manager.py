@@ -126,3 +126,34 @@ def test_preemption_and_no_leak_with_random_traffic():
     assert kv.num_free_blocks == 23 and not kv.req_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs if r.status is RequestStatus.FINISHED_LENGTH)
+
+
+class CountingTier:
+    """An external tier that holds nothing and counts lookups."""
+
+    def __init__(self):
+        self.fetches = 0
+
+    def fetch(self, hashes):
+        self.fetches += 1
+        return []
+
+    def load(self, block_id, payload):
+        raise AssertionError("nothing to load")
+
+    def store_block(self, block_id, block_hash):
+        pass
+
+
+def test_external_tier_is_asked_once_per_admission():
+    kv = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable blocks
+    kv.tier = CountingTier()
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    s.add_request(req("a", list(range(10)), max_tokens=2))  # takes all 3 blocks
+    s.add_request(req("b", list(range(20, 30)), max_tokens=2))  # must wait for blocks
+    for _ in range(4):
+        drive_one(s)  # b is looked up while it waits, but the tier only once
+    assert kv.tier.fetches == 2
+    while s.has_unfinished():
+        drive_one(s)
+    assert kv.tier_asked == set() and kv.num_free_blocks == 3

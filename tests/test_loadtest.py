@@ -5,7 +5,6 @@ records and its behaviour when requests fail or the run hits --max-duration."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,12 +12,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from llmserve.bench.client import RequestRecord
 from llmserve.bench.report import parse_goodput, summarize
 from llmserve.cli import main
+from tests.server_harness import server_process
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,33 +31,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model, tmp_path_factory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_")}
-    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_model, "--port", str(port),
-           "--num-threads", "1", "--log-level", "warning"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"the server exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    with server_process(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def loadtest(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

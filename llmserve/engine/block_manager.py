@@ -119,6 +119,7 @@ class KVCacheManager:
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     root: bytes = field(init=False)
     tier: ExternalKVTier | None = None  # e.g. Redis, behind the local prefix cache
+    tier_asked: set[str] = field(default_factory=set)  # requests that already queried the tier
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
@@ -156,7 +157,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if self.tier is not None and len(hits) < len(chain):
+        if self.tier is not None and len(hits) < len(chain) and request.request_id not in self.tier_asked:
+            self.tier_asked.add(request.request_id)  # one round trip per admission, not per step
             hits += self._load_from_tier(chain[len(hits) :])
         return hits
 
@@ -215,4 +217,5 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
+        self.tier_asked.discard(request.request_id)
         self.pool.release(list(reversed(blocks)))
