@@ -31,6 +31,8 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (chunked prefill)")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    attention_backend: str = _opt(
+        "auto", "decode attention: native C++ kernel (auto: when it builds here) or pure torch", ("auto", "torch"))
     compile: str = _opt("none", "compiled execution", ("none", "inductor", "tensorrt"))
     quantize: str | None = _opt(None, "weight-only quantization", ("int8",))
     seed: int = _opt(0, "seed of the engine's default random generator")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llmserve.model.attention import AttentionMetadata, PrefillSeq
+from llmserve import kernels
+from llmserve.model.attention import AttentionMetadata, PrefillSeq, use_native_attention
 from llmserve.model.loader import load_model
 
 TOL = 1e-4
@@ -58,6 +59,16 @@ class Paged:
             out.append(logits[i : i + len(toks)])
             i += len(toks)
         return out
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def attention_backend(request):
+    """Every check runs with the native decode kernel and with the pure-torch path."""
+    if request.param == "native" and not kernels.load():
+        pytest.skip("native kernels unavailable (no C++ compiler)")
+    use_native_attention(request.param == "native")
+    yield request.param
+    use_native_attention(False)
 
 
 @pytest.fixture(scope="module", params=PRESETS)

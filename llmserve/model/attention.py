@@ -6,6 +6,11 @@ then the prefill chunks of the remaining sequences, each contiguous.
 Cache layout (per layer): kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim].
 Token t of a sequence lives in slot block_table[t // block_size] * block_size + t % block_size.
 Block 0 is the null block: it is never handed to a sequence, so padded rows write there.
+
+Decode attention has two backends with one contract: the native kernel
+(torch.ops.llmserve.paged_decode_attention, llmserve/kernels), which reads K/V straight from the
+blocks, and a pure-torch path that gathers each sequence's blocks first. The engine picks one at
+start-up with use_native_attention().
 """
 
 from __future__ import annotations
@@ -14,6 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+_NATIVE_DECODE = False  # process-wide; set once at engine start-up
+
+
+def use_native_attention(enabled: bool) -> None:
+    global _NATIVE_DECODE
+    _NATIVE_DECODE = bool(enabled)
 
 
 @dataclass(slots=True)
@@ -35,7 +47,7 @@ class AttentionMetadata:
 
     def prepare_decode_bias(self, block_size: int) -> None:
         """Build the padding mask (fp32) once per forward; every layer shares it."""
-        if self.num_decodes and self.decode_bias is None:
+        if self.num_decodes and self.decode_bias is None and not _NATIVE_DECODE:
             width = self.decode_block_tables.shape[1] * block_size
             pad = torch.arange(width)[None, :] >= self.decode_seq_lens[:, None]
             bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
@@ -77,6 +89,10 @@ class KVCacheAttention(torch.nn.Module):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
+        if _NATIVE_DECODE:
+            out = torch.ops.llmserve.paged_decode_attention(
+                q.to(k_cache.dtype), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
+            return out.to(q.dtype)
         d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
         keys, vals = _gather(k_cache, meta.decode_block_tables), _gather(v_cache, meta.decode_block_tables)
         if q.dtype == torch.float32:  # the CPU flash kernel is the fastest fp32 path

@@ -1,0 +1,95 @@
+"""Native CPU kernels, compiled once per machine and loaded as torch ops (torch.ops.llmserve.*).
+
+The C++ sources live next to this file. `load()` builds them with the system C++ compiler
+against the installed torch (-O3 -march=native), caches the shared library under
+$LLMSERVE_KERNEL_CACHE (default ~/.cache/llmserve/kernels) keyed by a hash of the sources, torch
+version, compiler flags and this CPU's feature flags, and loads it. Concurrent processes build
+under a file lock. Where no compiler is available the engine falls back to pure-torch attention
+and says so once in the log; LLMSERVE_KERNELS=0 forces that fallback.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sysconfig
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("llmserve.kernels")
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+
+
+def _cpu_flags() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
+
+
+def _compile_command(out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "g++"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return [cxx, *FLAGS, abi, *includes, *map(str, SOURCES), *libs, *rpath, "-lc10", "-ltorch_cpu", "-o", str(out)]
+
+
+def _library_path() -> Path:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join((torch.__version__, *FLAGS, _cpu_flags())).encode())
+    root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "llmserve" / "kernels")
+    return root / f"llmserve_kernels-{h.hexdigest()[:16]}.so"
+
+
+def _build(lib: Path) -> None:
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with open(lib.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
+        if lib.exists():
+            return
+        tmp = lib.with_suffix(f".tmp{os.getpid()}.so")
+        logger.info("building native kernels (once per machine): %s", lib.name)
+        proc = subprocess.run(_compile_command(tmp), capture_output=True, text=True)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(proc.stderr.strip()[-2000:] or f"compiler exited with {proc.returncode}")
+        tmp.replace(lib)
+
+
+@cache
+def load() -> bool:
+    """True when torch.ops.llmserve.paged_decode_attention is usable in this process."""
+    if os.environ.get("LLMSERVE_KERNELS", "1") == "0":
+        return False
+    try:
+        lib = _library_path()
+        if not lib.exists():
+            _build(lib)
+        torch.ops.load_library(str(lib))
+    except Exception as e:  # no compiler, no headers, a read-only home: run without the kernels
+        logger.warning("native kernels unavailable, using pure-torch attention (slower): %s", e)
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    """Shape-only implementation, so torch.compile can trace through the op."""
+
+    @torch.library.register_fake("llmserve::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+        return torch.empty_like(q)

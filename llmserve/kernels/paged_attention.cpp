@@ -1,0 +1,240 @@
+// Decode attention straight from the paged KV cache: one query token per sequence, no gather.
+//
+// Shapes (T = the cache dtype, float or bfloat16; q and out share it):
+//   q            [D, H, hd]            one query token per sequence
+//   k_cache      [num_blocks, block_size, kvh, hd]   (v_cache likewise)
+//   block_tables [D, max_blocks] int64  the sequence's blocks in order (padding is never read)
+//   seq_lens     [D] int64              tokens to attend to, the new one included
+//   out          [D, H, hd]
+// Query heads h*g .. h*g+g-1 share KV head h (g = H / kvh). Scores, softmax and the weighted sum
+// of V are computed in fp32. Work items are (sequence, KV head) pairs, split across threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+// exp(x) for x <= 0 as 2^n * 2^f, a degree-6 polynomial for 2^f (rel. error ~2e-7). Plain
+// arithmetic, so loops over it vectorise (std::exp does not).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f) * 1.44269504088896341f;  // log2(e)
+  const float n = std::floor(x), f = x - n;        // f in [0, 1)
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return p * scale;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+                int64_t g, int64_t hd, int64_t block_size, int64_t kv_stride, int64_t block_stride,
+                float scale, T* out, std::vector<float>& scratch) {
+  // q/out point at this KV head's g query heads: [g, hd]. k_cache/v_cache point at head h of block 0.
+  const int64_t nblocks = (len + block_size - 1) / block_size;
+  scratch.assign(g * hd + block_size * hd + g * len + g * hd, 0.f);
+  float* qf = scratch.data();                 // [g, hd], pre-scaled
+  float* rows = qf + g * hd;                  // [block_size, hd]: one block's K or V rows in fp32
+  float* scores = rows + block_size * hd;     // [g, len]
+  float* acc = scores + g * len;              // [g, hd]
+  load_row(q, qf, g * hd);
+  for (int64_t i = 0; i < g * hd; ++i) qf[i] *= scale;
+
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min(block_size, len - b * block_size);
+    const T* k = k_cache + table[b] * block_stride;
+    for (int64_t t = 0; t < n; ++t) load_row(k + t * kv_stride, rows + t * hd, hd);
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t t = 0; t < n; ++t) scores[j * len + b * block_size + t] = dot(qf + j * hd, rows + t * hd, hd);
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* s = scores + j * len;
+    float m = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    for (int64_t t = 0; t < len; ++t) s[t] = fast_exp(s[t] - m);
+    for (int64_t t = 0; t < len; ++t) sum += s[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min(block_size, len - b * block_size);
+    const T* v = v_cache + table[b] * block_stride;
+    for (int64_t t = 0; t < n; ++t) load_row(v + t * kv_stride, rows + t * hd, hd);
+    for (int64_t j = 0; j < g; ++j) {
+      float* a = acc + j * hd;
+      const float* p = scores + j * len + b * block_size;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t i = 0; i < hd; ++i) a[i] += p[t] * rows[t * hd + i];
+    }
+  }
+  for (int64_t i = 0; i < g * hd; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+#if defined(__AVX512F__)
+// The same computation with AVX-512 registers: a head's query and running output stay in
+// registers, each K/V row is converted to fp32 once and shared by the g query heads.
+// Needs hd % 16 == 0 and hd <= kMaxHd, g <= kMaxGroup (checked by the caller).
+constexpr int64_t kMaxHd = 256, kMaxGroup = 8;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <typename T>
+void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+                       int64_t g, int64_t hd, int64_t block_size, int64_t kv_stride, int64_t block_stride,
+                       float scale, T* out, std::vector<float>& scratch) {
+  const int64_t nv = hd / 16, nblocks = (len + block_size - 1) / block_size;
+  scratch.resize(g * len + g * hd);
+  float* scores = scratch.data();  // [g, len]
+  float* acc_out = scores + g * len;  // [g, hd]
+  __m512 qv[kMaxGroup][kMaxHd / 16];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t c = 0; c < nv; ++c) qv[j][c] = _mm512_mul_ps(load16(q + j * hd + c * 16), sc);
+
+  float m[kMaxGroup];
+  std::fill(m, m + g, -INFINITY);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min(block_size, len - b * block_size);
+    const T* k = k_cache + table[b] * block_stride;
+    for (int64_t t = 0; t < n; ++t, k += kv_stride) {
+      __m512 kr[kMaxHd / 16];
+      for (int64_t c = 0; c < nv; ++c) kr[c] = load16(k + c * 16);
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);
+        for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(qv[j][c], kr[c], acc);
+        const float s = _mm512_reduce_add_ps(acc);
+        scores[j * len + b * block_size + t] = s;
+        m[j] = std::max(m[j], s);
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    float* s = scores + j * len;
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) s[t] = fast_exp(s[t] - m[j]);
+    for (int64_t t = 0; t < len; ++t) sum += s[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+
+  __m512 acc[kMaxGroup][kMaxHd / 16];
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t c = 0; c < nv; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t n = std::min(block_size, len - b * block_size);
+    const T* v = v_cache + table[b] * block_stride;
+    for (int64_t t = 0; t < n; ++t, v += kv_stride) {
+      __m512 vr[kMaxHd / 16];
+      for (int64_t c = 0; c < nv; ++c) vr[c] = load16(v + c * 16);
+      for (int64_t j = 0; j < g; ++j) {
+        const __m512 p = _mm512_set1_ps(scores[j * len + b * block_size + t]);
+        for (int64_t c = 0; c < nv; ++c) acc[j][c] = _mm512_fmadd_ps(p, vr[c], acc[j][c]);
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(acc_out + j * hd + c * 16, acc[j][c]);
+  for (int64_t i = 0; i < g * hd; ++i) out[i] = static_cast<T>(acc_out[i]);
+}
+#endif
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+         const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t d = q.size(0), heads = q.size(1), hd = q.size(2);
+  const int64_t block_size = k_cache.size(1), kvh = k_cache.size(2), g = heads / kvh;
+  const int64_t kv_stride = kvh * hd, block_stride = block_size * kv_stride, width = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, d * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t s = w / kvh, h = w % kvh;
+      const int64_t off = (s * heads + h * g) * hd;
+#if defined(__AVX512F__)
+      if (hd % 16 == 0 && hd <= kMaxHd && g <= kMaxGroup) {
+        attend_one_avx512<T>(qp + off, kp + h * hd, vp + h * hd, tp + s * width, lp[s], g, hd, block_size,
+                             kv_stride, block_stride, static_cast<float>(scale), op + off, scratch);
+        continue;
+      }
+#endif
+      attend_one<T>(qp + off, kp + h * hd, vp + h * hd, tp + s * width, lp[s], g, hd, block_size, kv_stride,
+                    block_stride, static_cast<float>(scale), op + off, scratch);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head mismatch");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one table per query");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t capacity = tables.size(1) * k_cache.size(1);
+  for (int64_t i = 0; i < lens.size(0); ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= capacity, "seq_lens[", i, "] = ", lp[i], " is outside [1, ", capacity, "]");
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kFloat)
+    run<float>(qc, k_cache, v_cache, tables, lens, scale, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    run<c10::BFloat16>(qc, k_cache, v_cache, tables, lens, scale, out);
+  else
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, not ", q.scalar_type());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,84 @@
+"""The native decode-attention kernel equals plain attention over each sequence's own K/V."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from llmserve import kernels
+
+HAS_COMPILER = bool(shutil.which("c++") or shutil.which("g++"))
+
+
+@pytest.fixture(scope="module")
+def op():
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler: the engine runs the pure-torch attention")
+    assert kernels.load(), "a C++ compiler is present but the native kernels did not build (see the log)"
+    return torch.ops.llmserve.paged_decode_attention
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Per sequence: its K/V rows in order, softmax(q K^T * scale) V in float64."""
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    g = q.shape[1] // kvh
+    out = []
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        rows = [int(tables[s, t // bs]) * bs + t % bs for t in range(n)]
+        keys = k_cache.reshape(-1, kvh, k_cache.shape[3])[rows].double().repeat_interleave(g, dim=1)  # [n, H, hd]
+        vals = v_cache.reshape(-1, kvh, v_cache.shape[3])[rows].double().repeat_interleave(g, dim=1)
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[s].double(), keys) * scale, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", probs, vals))
+    return torch.stack(out)
+
+
+def case(heads: int, kv_heads: int, head_dim: int, lens: list[int], dtype, block_size: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered, never block 0
+    width = max(-(-n // block_size) for n in lens) + 1  # one padding column at least
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for s, n in enumerate(lens):
+        tables[s, : -(-n // block_size)] = torch.tensor([free.pop() for _ in range(-(-n // block_size))])
+    q = (torch.randn(len(lens), heads, head_dim, generator=g) * 2).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
+
+
+SHAPES = [
+    (9, 3, 64),  # SmolLM2: GQA, 3 query heads per KV head (vectorised path)
+    (4, 4, 16),  # multi-head attention
+    (8, 2, 24),  # head_dim not a multiple of 16 (portable path)
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference(op, shape, dtype, tol):
+    lens = [1, 15, 16, 17, 100, 333]  # inside, at and across block edges
+    q, k, v, tables, seq_lens = case(*shape, lens, dtype)
+    scale = shape[2] ** -0.5
+    got = op(q, k, v, tables, seq_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = reference(q, k, v, tables, seq_lens, scale)
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), err
+
+
+def test_padding_blocks_are_never_read(op):
+    q, k, v, tables, lens = case(9, 3, 64, [20, 5], torch.float32)
+    before = op(q, k, v, tables, lens, 0.125)
+    k[0].fill_(float("nan"))  # the null block, used as padding
+    v[0].fill_(float("nan"))
+    assert torch.equal(op(q, k, v, tables, lens, 0.125), before)
+
+
+def test_bad_lengths_are_refused(op):
+    q, k, v, tables, lens = case(9, 3, 64, [20], torch.float32)
+    for bad in (0, tables.shape[1] * 16 + 1):
+        with pytest.raises(RuntimeError, match="seq_lens"):
+            op(q, k, v, tables, torch.tensor([bad]), 0.125)
