@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from llmserve import kernels
 from llmserve.model.attention import AttentionMetadata, PrefillSeq, use_native_attention
 from llmserve.model.loader import load_model
+from llmserve.model.packed import pack_linears
 
 TOL = 1e-4
 PRESETS = ["tiny", "tiny-tied", "tiny-qwen2", "tiny-mistral"]  # GQA untied / MHA tied+llama3 rope / bias / mistral
@@ -72,10 +75,20 @@ def attention_backend(request):
 
 
 @pytest.fixture(scope="module", params=PRESETS)
-def pair(request, model_factory):
+def loaded(request, model_factory):
     path = model_factory(request.param)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return load_model(path, torch.float32), ref
+
+
+@pytest.fixture(scope="module", params=["packed", "plain"])
+def pair(request, loaded):
+    """Every check runs with oneDNN-packed linear layers (the engine's default) and with nn.Linear."""
+    ours, ref = loaded
+    if request.param == "packed":
+        ours = copy.deepcopy(ours)
+        assert pack_linears(ours, torch.float32) > 0
+    return ours, ref
 
 
 def ref_logits(ref, tokens: list[int]) -> torch.Tensor:

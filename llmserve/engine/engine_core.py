@@ -25,6 +25,7 @@ from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.model.attention import use_native_attention
 from llmserve.model.compile import DEFAULT_BUCKETS, DecodeGraphs, check_tensorrt
 from llmserve.model.loader import fingerprint, load_model
+from llmserve.model.packed import pack_linears
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
 from llmserve.tokenizer import Tokenizer, eos_token_ids, read_generation_config
@@ -71,6 +72,8 @@ class LLMEngine:
         if config.compile == "inductor":
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
             self.runner.use_compiled_decode(DecodeGraphs(self.model, buckets))
+        elif config.compile == "none":  # eager: pre-pack the linear weights (int8 layers are left alone)
+            logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
 
     def _connect_kv_store(self, config: EngineConfig):
         """The Redis tier behind the local prefix cache, when --redis-url is set."""
