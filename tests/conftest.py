@@ -8,6 +8,14 @@ import pytest
 from llmserve.model.presets import make_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built():
+    """Build the native kernels once, up front, rather than inside a server's start-up timeout."""
+    from llmserve import kernels
+
+    return kernels.load()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """make(preset, seed=0) -> path of an HF folder, cached per (preset, seed)."""
