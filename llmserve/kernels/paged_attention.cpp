@@ -54,6 +54,15 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// s[0:len] <- softmax(s), given m = max(s).
+inline void softmax_inplace(float* s, int64_t len, float m) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) s[t] = fast_exp(s[t] - m);
+  for (int64_t t = 0; t < len; ++t) sum += s[t];
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -83,13 +92,8 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
       for (int64_t t = 0; t < n; ++t) scores[j * len + b * block_size + t] = dot(qf + j * hd, rows + t * hd, hd);
   }
   for (int64_t j = 0; j < g; ++j) {
-    float* s = scores + j * len;
-    float m = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-    for (int64_t t = 0; t < len; ++t) s[t] = fast_exp(s[t] - m);
-    for (int64_t t = 0; t < len; ++t) sum += s[t];
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    const float* s = scores + j * len;
+    softmax_inplace(scores + j * len, len, *std::max_element(s, s + len));
   }
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min(block_size, len - b * block_size);
@@ -147,14 +151,7 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
       }
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
-    float* s = scores + j * len;
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) s[t] = fast_exp(s[t] - m[j]);
-    for (int64_t t = 0; t < len; ++t) sum += s[t];
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-  }
+  for (int64_t j = 0; j < g; ++j) softmax_inplace(scores + j * len, len, m[j]);
 
   __m512 acc[kMaxGroup][kMaxHd / 16];
   for (int64_t j = 0; j < g; ++j)
