@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from llmserve import kernels
 from llmserve.engine.model_runner import ModelInput, ModelRunner
-from llmserve.model.attention import AttentionMetadata
-from llmserve.model.compile import DecodeGraphs
+from llmserve.model.attention import AttentionMetadata, use_native_attention
 from llmserve.model.loader import load_model
 from llmserve.model.resolve import resolve_model
 
@@ -57,7 +57,7 @@ def startup(model_dir: str, dtype: str, buckets: str) -> float:
     model = load_model(model_dir, getattr(torch, dtype))
     runner = ModelRunner(model, 64, 16, getattr(torch, dtype))
     t = time.perf_counter()
-    runner.use_compiled_decode(DecodeGraphs(model, tuple(int(b) for b in buckets.split(","))))
+    runner.setup_execution("inductor", tuple(int(b) for b in buckets.split(",")))
     return time.perf_counter() - t
 
 
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--startup-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model))
+    use_native_attention(kernels.load())  # as LLMEngine does with --attention-backend auto
     if args.startup_only:
         print(f"{startup(model_dir, args.startup_only, args.batches):.1f}")
         return
@@ -83,8 +84,7 @@ def main() -> None:
         dtype, compiled, quant = MODES[name]
         model = load_model(model_dir, dtype, quant)
         runner = ModelRunner(model, blocks, 16, dtype)
-        if compiled:
-            runner.use_compiled_decode(DecodeGraphs(model, tuple(batches)))
+        runner.setup_execution("inductor" if compiled else "none", tuple(batches))  # as the engine does
         rates = [tokens_per_s(runner, b, args.context, args.steps) for b in batches]
         base = base or rates
         print(f"| {name} | " + " | ".join(f"{r:.1f}" for r in rates)

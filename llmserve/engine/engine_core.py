@@ -23,9 +23,8 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.model.attention import use_native_attention
-from llmserve.model.compile import DEFAULT_BUCKETS, DecodeGraphs, check_tensorrt
+from llmserve.model.compile import DEFAULT_BUCKETS, check_tensorrt
 from llmserve.model.loader import fingerprint, load_model
-from llmserve.model.packed import pack_linears
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
 from llmserve.tokenizer import Tokenizer, eos_token_ids, read_generation_config
@@ -61,19 +60,13 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
-        self._compile(config)
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
+        self.runner.setup_execution(config.compile, buckets)
         self.kv_store = self._connect_kv_store(config)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
-
-    def _compile(self, config: EngineConfig) -> None:
-        if config.compile == "inductor":
-            buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
-            self.runner.use_compiled_decode(DecodeGraphs(self.model, buckets))
-        elif config.compile == "none":  # eager: pre-pack the linear weights (int8 layers are left alone)
-            logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
 
     def _connect_kv_store(self, config: EngineConfig):
         """The Redis tier behind the local prefix cache, when --redis-url is set."""

@@ -6,6 +6,7 @@ KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (block 0
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.compile import DecodeGraphs
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.packed import pack_linears
+
+logger = logging.getLogger("llmserve.engine")
 
 
 @dataclass(slots=True)
@@ -60,6 +64,14 @@ class ModelRunner:
     def use_compiled_decode(self, graphs: DecodeGraphs) -> None:
         graphs.warm_up(self.kv_caches)
         self.decode_graphs = graphs
+
+    def setup_execution(self, compile: str, buckets: tuple[int, ...]) -> None:
+        """`--compile inductor`: compiled decode buckets. `none`: eager with oneDNN-packed linear
+        weights (int8 layers are left alone). tensorrt is refused before the model loads."""
+        if compile == "inductor":
+            self.use_compiled_decode(DecodeGraphs(self.model, buckets))
+        elif compile == "none":
+            logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """Decode-only batches that fit a compiled bucket run the compiled graph; others run eager."""
