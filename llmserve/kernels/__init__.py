@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sysconfig
 from functools import cache
 from pathlib import Path
 
@@ -39,7 +38,7 @@ def _compile_command(out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "g++"
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
     rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
