@@ -59,4 +59,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     with torch.inference_mode():
         for parent, attr, _, layer in layers:
             setattr(parent, attr, PackedLinear(layer))
+    # What stays dense (embeddings, norms, biases) may still sit on the checkpoint's memory map,
+    # which keeps every page read from it resident; own copies let the map go.
+    for p in model.parameters():
+        p.data = p.data.clone()
     return len(layers)
