@@ -77,8 +77,43 @@ def test_padding_blocks_are_never_read(op):
     assert torch.equal(op(q, k, v, tables, lens, 0.125), before)
 
 
-def test_bad_lengths_are_refused(op):
+def test_bad_lengths_and_block_ids_are_refused(op):
     q, k, v, tables, lens = case(9, 3, 64, [20], torch.float32)
     for bad in (0, tables.shape[1] * 16 + 1):
         with pytest.raises(RuntimeError, match="seq_lens"):
             op(q, k, v, tables, torch.tensor([bad]), 0.125)
+    for bad in (-1, k.shape[0], 1 << 40):  # a block id in the part of the table that is read
+        t = tables.clone()
+        t[0, 1] = bad
+        with pytest.raises(RuntimeError, match="block_tables"):
+            op(q, k, v, t, lens, 0.125)
+    t = tables.clone()
+    t[0, -1] = 1 << 40  # past seq_len: never read, so never checked
+    assert torch.equal(op(q, k, v, t, lens, 0.125), op(q, k, v, tables, lens, 0.125))
+
+
+def test_nan_in_a_query_stays_nan(op):
+    q, k, v, tables, lens = case(9, 3, 64, [40, 40], torch.float32)
+    q[0, 0, 0] = float("nan")
+    out = op(q, k, v, tables, lens, 0.125)
+    assert out[0, 0].isnan().all() and not out[1].isnan().any()
+
+
+def test_without_a_working_compiler_the_engine_falls_back_to_torch(tmp_path, tiny_model):
+    """A fresh cache and a compiler that fails: load() says False, logs why, and generation works."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from llmserve import LLM, SamplingParams, kernels\n"
+        f"llm = LLM({tiny_model!r}, num_blocks=64)\n"
+        "assert kernels.load() is False and not llm.engine.model.native_decode\n"
+        "print(len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids))\n"
+    )
+    env = dict(os.environ, CXX="false", LLMSERVE_KERNEL_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "4"
+    assert "native kernels unavailable" in proc.stderr

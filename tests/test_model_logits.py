@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llmserve import kernels
-from llmserve.model.attention import AttentionMetadata, PrefillSeq, use_native_attention
+from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.packed import pack_linears
 
@@ -64,14 +64,11 @@ class Paged:
         return out
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def attention_backend(request):
-    """Every check runs with the native decode kernel and with the pure-torch path."""
+@pytest.fixture(scope="module", params=["native", "torch"])
+def attention_backend(request) -> str:
     if request.param == "native" and not kernels.load():
         pytest.skip("native kernels unavailable (no C++ compiler)")
-    use_native_attention(request.param == "native")
-    yield request.param
-    use_native_attention(False)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=PRESETS)
@@ -82,12 +79,14 @@ def loaded(request, model_factory):
 
 
 @pytest.fixture(scope="module", params=["packed", "plain"])
-def pair(request, loaded):
-    """Every check runs with oneDNN-packed linear layers (the engine's default) and with nn.Linear."""
+def pair(request, loaded, attention_backend):
+    """Every check runs four ways: oneDNN-packed linear layers (the engine's default) or nn.Linear,
+    times the native decode-attention kernel or the pure-torch path."""
     ours, ref = loaded
+    ours = copy.deepcopy(ours)
     if request.param == "packed":
-        ours = copy.deepcopy(ours)
         assert pack_linears(ours, torch.float32) > 0
+    ours.use_native_attention(attention_backend == "native")
     return ours, ref
 
 

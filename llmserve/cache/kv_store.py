@@ -147,9 +147,12 @@ class RedisKVStore:
             sent = 0
             for i in range(len(groups)):
                 while sent < min(len(groups), i + WINDOW):
-                    conn.send_command("MGET", *groups[sent])
+                    conn.send_command("MGET", *groups[sent], check_health=False)  # no PING amid replies
                     sent += 1
-                raws += conn.read_response()
+                reply = conn.read_response()
+                if not isinstance(reply, list) or len(reply) != len(groups[i]):
+                    raise ValueError(f"MGET of {len(groups[i])} keys answered with {type(reply).__name__}")
+                raws += reply
         except BaseException:
             conn.disconnect()  # replies may still be in flight: never hand this socket back as is
             raise

@@ -22,7 +22,6 @@ from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.errors import InvalidRequestError, PromptTooLongError
-from llmserve.model.attention import use_native_attention
 from llmserve.model.compile import DEFAULT_BUCKETS, check_tensorrt
 from llmserve.model.loader import fingerprint, load_model
 from llmserve.profiling import StepRecord
@@ -46,7 +45,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.dtype = DTYPES[config.dtype]
         self.model = load_model(self.model_dir, self.dtype, config.quantize)
-        use_native_attention(config.attention_backend == "auto" and kernels.load())
+        self.model.use_native_attention(config.attention_backend == "auto" and kernels.load())
         self.model_config = self.model.config
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)

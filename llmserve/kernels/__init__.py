@@ -24,6 +24,7 @@ import torch
 logger = logging.getLogger("llmserve.kernels")
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+BUILD_TIMEOUT_S = 600
 
 
 def _cpu_flags() -> str:
@@ -34,10 +35,21 @@ def _cpu_flags() -> str:
     return next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "g++"
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _compile_command(out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "g++"
+    cxx = _compiler()
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
     rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
@@ -49,7 +61,8 @@ def _library_path() -> Path:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    h.update(" ".join((torch.__version__, *FLAGS, _cpu_flags())).encode())
+    h.update(" ".join((torch.__version__, str(torch.version.git_version), *FLAGS, _cpu_flags())).encode())
+    h.update(_compiler_version(_compiler()).encode())
     root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "llmserve" / "kernels")
     return root / f"llmserve_kernels-{h.hexdigest()[:16]}.so"
 
@@ -62,7 +75,7 @@ def _build(lib: Path) -> None:
             return
         tmp = lib.with_suffix(f".tmp{os.getpid()}.so")
         logger.info("building native kernels (once per machine): %s", lib.name)
-        proc = subprocess.run(_compile_command(tmp), capture_output=True, text=True)
+        proc = subprocess.run(_compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(proc.stderr.strip()[-2000:] or f"compiler exited with {proc.returncode}")
@@ -78,11 +91,16 @@ def load() -> bool:
         lib = _library_path()
         if not lib.exists():
             _build(lib)
-        torch.ops.load_library(str(lib))
+        try:
+            torch.ops.load_library(str(lib))
+        except OSError:  # a damaged cached file: build it again, once
+            lib.unlink(missing_ok=True)
+            _build(lib)
+            torch.ops.load_library(str(lib))
+        _register_fake()
     except Exception as e:  # no compiler, no headers, a read-only home: run without the kernels
         logger.warning("native kernels unavailable, using pure-torch attention (slower): %s", e)
         return False
-    _register_fake()
     return True
 
 

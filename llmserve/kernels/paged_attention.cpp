@@ -36,11 +36,15 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
-// exp(x) for x <= 0 as 2^n * 2^f, a degree-6 polynomial for 2^f (rel. error ~2e-7). Plain
-// arithmetic, so loops over it vectorise (std::exp does not).
+// exp(x) for x <= 0 as 2^n * 2^f, a degree-6 polynomial for 2^f (rel. error <= 1e-5, ~2e-7 near
+// 0; inputs below -87 give ~1e-38). Plain arithmetic, so loops over it vectorise (std::exp does
+// not). n comes from a clamped copy, so it is always a small integer; a NaN input stays NaN via f.
 inline float fast_exp(float x) {
-  x = std::max(x, -87.f) * 1.44269504088896341f;  // log2(e)
-  const float n = std::floor(x), f = x - n;        // f in [0, 1)
+  constexpr float kLog2e = 1.44269504088896341f;
+  float xc = x > -87.f ? x : -87.f;  // NaN -> -87 here
+  xc = xc < 0.f ? xc : 0.f;
+  const float n = std::floor(xc * kLog2e);
+  const float f = ((x > -87.f || x != x) ? x : -87.f) * kLog2e - n;  // in [0, 1); NaN stays NaN
   float p = 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
@@ -211,13 +215,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q and the cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head mismatch");
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1, "block_tables [D, max_blocks], seq_lens [D]");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one table per query");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
   const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t capacity = tables.size(1) * k_cache.size(1);
-  for (int64_t i = 0; i < lens.size(0); ++i)
-    TORCH_CHECK(lp[i] >= 1 && lp[i] <= capacity, "seq_lens[", i, "] = ", lp[i], " is outside [1, ", capacity, "]");
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t width = tables.size(1), block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  for (int64_t i = 0; i < lens.size(0); ++i) {
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * block_size, "seq_lens[", i, "] = ", lp[i], " is outside [1, ",
+                width * block_size, "]");
+    for (int64_t b = 0; b < (lp[i] + block_size - 1) / block_size; ++b)  // every block that will be read
+      TORCH_CHECK(tp[i * width + b] >= 0 && tp[i * width + b] < num_blocks, "block_tables[", i, ", ", b, "] = ",
+                  tp[i * width + b], " is not a block of this cache (", num_blocks, " blocks)");
+  }
   at::Tensor out = at::empty_like(qc);
   if (q.scalar_type() == at::kFloat)
     run<float>(qc, k_cache, v_cache, tables, lens, scale, out);

@@ -10,7 +10,7 @@ Block 0 is the null block: it is never handed to a sequence, so padded rows writ
 Decode attention has two backends with one contract: the native kernel
 (torch.ops.llmserve.paged_decode_attention, llmserve/kernels), which reads K/V straight from the
 blocks, and a pure-torch path that gathers each sequence's blocks first. The engine picks one at
-start-up with use_native_attention().
+start-up with LlamaForCausalLM.use_native_attention(); the choice belongs to that model.
 """
 
 from __future__ import annotations
@@ -19,13 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-_NATIVE_DECODE = False  # process-wide; set once at engine start-up
-
-
-def use_native_attention(enabled: bool) -> None:
-    global _NATIVE_DECODE
-    _NATIVE_DECODE = bool(enabled)
 
 
 @dataclass(slots=True)
@@ -47,7 +40,7 @@ class AttentionMetadata:
 
     def prepare_decode_bias(self, block_size: int) -> None:
         """Build the padding mask (fp32) once per forward; every layer shares it."""
-        if self.num_decodes and self.decode_bias is None and not _NATIVE_DECODE:
+        if self.num_decodes and self.decode_bias is None:
             width = self.decode_block_tables.shape[1] * block_size
             pad = torch.arange(width)[None, :] >= self.decode_seq_lens[:, None]
             bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
@@ -63,6 +56,7 @@ class KVCacheAttention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.native = False  # decode through torch.ops.llmserve.paged_decode_attention
 
     def forward(
         self,
@@ -89,7 +83,7 @@ class KVCacheAttention(torch.nn.Module):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
-        if _NATIVE_DECODE:
+        if self.native:
             out = torch.ops.llmserve.paged_decode_attention(
                 q.to(k_cache.dtype), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
             return out.to(q.dtype)

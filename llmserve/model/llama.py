@@ -126,6 +126,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.native_decode = False
+
+    def use_native_attention(self, enabled: bool) -> None:
+        """Decode attention through the native kernel (True) or pure torch (False)."""
+        self.native_decode = bool(enabled)
+        for m in self.modules():
+            if isinstance(m, KVCacheAttention):
+                m.native = self.native_decode
 
     def forward(
         self,
@@ -135,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
-        meta.prepare_decode_bias(kv_caches[0].shape[2])
+        if not self.native_decode:  # the kernel reads exactly seq_len rows: no padding mask
+            meta.prepare_decode_bias(kv_caches[0].shape[2])
         rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)
