@@ -125,12 +125,41 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// Ask for the next block's rows of this head while the current one is computed: the rows are
+// strided (one head's slice of each token) and the block is elsewhere in memory, which the
+// hardware prefetcher does not foresee.
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being computed
+
+template <typename T>
+inline void prefetch_block(const T* rows, int64_t block_size, int64_t kv_stride, int64_t hd) {
+  for (int64_t t = 0; t < block_size; ++t)
+    for (int64_t off = 0; off < hd * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * kv_stride) + off, _MM_HINT_T0);
+}
+
+// out[t] = the sum of v[t]'s 16 lanes, t = 0..15, as one register: pairs of registers are
+// interleaved and added (unpack), then quads (shuffle_ps), then the four 128-bit lanes (shuffle_f32x4).
+inline __m512 reduce16(const __m512* v) {
+  __m512 s[8], r[4];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(r[2], r[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 template <typename T>
 void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
                        int64_t g, int64_t hd, int64_t block_size, int64_t kv_stride, int64_t block_stride,
                        float scale, T* out, std::vector<float>& scratch) {
   const int64_t nv = hd / 16, nblocks = (len + block_size - 1) / block_size;
-  scratch.resize(g * len + g * hd);
+  scratch.resize(g * len + g * hd + 16 * hd);
   float* scores = scratch.data();  // [g, len]
   float* acc_out = scores + g * len;  // [g, hd]
   __m512 qv[kMaxGroup][kMaxHd / 16];
@@ -138,23 +167,39 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
   for (int64_t j = 0; j < g; ++j)
     for (int64_t c = 0; c < nv; ++c) qv[j][c] = _mm512_mul_ps(load16(q + j * hd + c * 16), sc);
 
-  float m[kMaxGroup];
-  std::fill(m, m + g, -INFINITY);
+  // Scores, 16 tokens at a time: each token's products with a query head are summed into one
+  // register of partial sums, and reduce16 turns the 16 registers into 16 scores at once.
+  float* kf = acc_out + g * hd;  // [16, hd]: up to 16 K rows of one block in fp32
+  __m512 mv[kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) mv[j] = _mm512_set1_ps(-INFINITY);
+  for (int64_t b = 0; b < std::min(kAhead, nblocks); ++b)
+    prefetch_block(k_cache + table[b] * block_stride, block_size, kv_stride, hd);
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min(block_size, len - b * block_size);
     const T* k = k_cache + table[b] * block_stride;
-    for (int64_t t = 0; t < n; ++t, k += kv_stride) {
-      __m512 kr[kMaxHd / 16];
-      for (int64_t c = 0; c < nv; ++c) kr[c] = load16(k + c * 16);
+    if (b + kAhead < nblocks) prefetch_block(k_cache + table[b + kAhead] * block_stride, block_size, kv_stride, hd);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, n - t0);
+      for (int64_t t = 0; t < cnt; ++t)
+        for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(kf + t * hd + c * 16, load16(k + (t0 + t) * kv_stride + c * 16));
+      const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
       for (int64_t j = 0; j < g; ++j) {
-        __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);
-        for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(qv[j][c], kr[c], acc);
-        const float s = _mm512_reduce_add_ps(acc);
-        scores[j * len + b * block_size + t] = s;
-        m[j] = std::max(m[j], s);
+        __m512 part[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          part[t] = _mm512_setzero_ps();
+          if (t < cnt)
+            for (int64_t c = 0; c < nv; ++c) part[t] = _mm512_fmadd_ps(qv[j][c], _mm512_loadu_ps(kf + t * hd + c * 16), part[t]);
+        }
+        const __m512 sv = reduce16(part);
+        _mm512_mask_storeu_ps(scores + j * len + b * block_size + t0, live, sv);
+        mv[j] = _mm512_mask_max_ps(mv[j], live, mv[j], sv);
       }
     }
   }
+  float m[kMaxGroup];
+  for (int64_t j = 0; j < g; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
+  for (int64_t b = 0; b < std::min(kAhead, nblocks); ++b)  // V's first blocks arrive during the softmax
+    prefetch_block(v_cache + table[b] * block_stride, block_size, kv_stride, hd);
   for (int64_t j = 0; j < g; ++j) softmax_inplace(scores + j * len, len, m[j]);
 
   __m512 acc[kMaxGroup][kMaxHd / 16];
@@ -163,6 +208,7 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min(block_size, len - b * block_size);
     const T* v = v_cache + table[b] * block_stride;
+    if (b + kAhead < nblocks) prefetch_block(v_cache + table[b + kAhead] * block_stride, block_size, kv_stride, hd);
     for (int64_t t = 0; t < n; ++t, v += kv_stride) {
       __m512 vr[kMaxHd / 16];
       for (int64_t c = 0; c < nv; ++c) vr[c] = load16(v + c * 16);
