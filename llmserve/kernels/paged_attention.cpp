@@ -39,19 +39,18 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 // exp(x) for x <= 0 as 2^n * 2^f, a degree-6 polynomial for 2^f (rel. error <= 1e-5, ~2e-7 near
 // 0; inputs below -87 give ~1e-38). Plain arithmetic, so loops over it vectorise (std::exp does
 // not). n comes from a clamped copy, so it is always a small integer; a NaN input stays NaN via f.
+constexpr float kLog2e = 1.44269504088896341f;
+// 2^f for f in [0, 1): a degree-6 polynomial, highest power first.
+constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+
 inline float fast_exp(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
   float xc = x > -87.f ? x : -87.f;  // NaN -> -87 here
   xc = xc < 0.f ? xc : 0.f;
   const float n = std::floor(xc * kLog2e);
   const float f = ((x > -87.f || x != x) ? x : -87.f) * kLog2e - n;  // in [0, 1); NaN stays NaN
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
+  float p = kExp2Poly[0];
+  for (int i = 1; i < 7; ++i) p = p * f + kExp2Poly[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(float));
@@ -128,6 +127,32 @@ inline __m512 load16(const c10::BFloat16* p) {
 // Ask for the next block's rows of this head while the current one is computed: the rows are
 // strided (one head's slice of each token) and the block is elsewhere in memory, which the
 // hardware prefetcher does not foresee.
+// fast_exp's polynomial on 16 lanes; scalef applies 2^n exactly (underflow to 0, NaN kept).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void softmax_avx512(float* s, int64_t len, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 live = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mv));
+    _mm512_mask_storeu_ps(s + t, live, e);
+    sum = _mm512_mask_add_ps(sum, live, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 live = static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+    _mm512_mask_storeu_ps(s + t, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, s + t), inv));
+  }
+}
+
 constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being computed
 
 template <typename T>
@@ -200,7 +225,7 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
   for (int64_t j = 0; j < g; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
   for (int64_t b = 0; b < std::min(kAhead, nblocks); ++b)  // V's first blocks arrive during the softmax
     prefetch_block(v_cache + table[b] * block_stride, block_size, kv_stride, hd);
-  for (int64_t j = 0; j < g; ++j) softmax_inplace(scores + j * len, len, m[j]);
+  for (int64_t j = 0; j < g; ++j) softmax_avx512(scores + j * len, len, m[j]);
 
   __m512 acc[kMaxGroup][kMaxHd / 16];
   for (int64_t j = 0; j < g; ++j)
