@@ -86,8 +86,6 @@ def main() -> None:
         model.use_native_attention(kernels.load())  # as LLMEngine does with --attention-backend auto
         runner = ModelRunner(model, blocks, 16, dtype)
         runner.setup_execution("inductor" if compiled else "none", tuple(batches))  # as the engine does
-        for cache in runner.kv_caches:  # as if prefilled: reading never-written (lazily mapped) pages is slower
-            cache.zero_()
         rates = [tokens_per_s(runner, b, args.context, args.steps) for b in batches]
         base = base or rates
         print(f"| {name} | " + " | ".join(f"{r:.1f}" for r in rates)

@@ -50,8 +50,6 @@ def bare_forward(llm: LLM, batch: int, context: int, prompt_tokens: int, output_
     nblocks = runner.kv_caches[0].shape[1] - 1
     per_seq = -(-(context + 1) // bs)
     tables = (torch.arange(batch * per_seq) % nblocks + 1).reshape(batch, per_seq)
-    for cache in runner.kv_caches:  # as if prefilled: reading never-written (lazily mapped) pages is slower
-        cache[:, : int(tables.max()) + 1].zero_()
     slots = tables[:, context // bs] * bs + context % bs
     decode = AttentionMetadata(slots, batch, tables, torch.full((batch,), context + 1), [])
     table = torch.arange(1, -(-chunk // bs) + 1)
