@@ -7,11 +7,9 @@ KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (block 0
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from llmserve.engine.request import Request, TokenLogprobs
@@ -49,22 +47,15 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
     return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages become resident only when first written. torch.zeros writes
-    every byte at once (a 2 GiB KV cache was 2 GiB of RSS at start-up); numpy's zeros comes
-    from calloc, whose large blocks are fresh, already-zero pages from the OS."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
         c = model.config
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
+        # zeros() maps untouched pages lazily, so an unused cache costs no resident memory
         self.kv_caches = [
-            lazy_zeros((2, num_blocks, block_size, c.num_key_value_heads, c.head_dim), dtype)
+            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype)
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
