@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from llmserve import kernels
 from llmserve.engine.model_runner import ModelInput, ModelRunner
 from llmserve.model.attention import AttentionMetadata
 from llmserve.model.loader import load_model
@@ -55,7 +54,6 @@ def tokens_per_s(runner: ModelRunner, batch: int, context: int, steps: int) -> f
 def startup(model_dir: str, dtype: str, buckets: str) -> float:
     """Seconds to compile every bucket (this process's own, cache as the environment says)."""
     model = load_model(model_dir, getattr(torch, dtype))
-    model.use_native_attention(kernels.load())  # as LLMEngine does with --attention-backend auto
     runner = ModelRunner(model, 64, 16, getattr(torch, dtype))
     t = time.perf_counter()
     runner.setup_execution("inductor", tuple(int(b) for b in buckets.split(",")))
@@ -83,7 +81,6 @@ def main() -> None:
     for name in args.modes.split(","):
         dtype, compiled, quant = MODES[name]
         model = load_model(model_dir, dtype, quant)
-        model.use_native_attention(kernels.load())  # as LLMEngine does with --attention-backend auto
         runner = ModelRunner(model, blocks, 16, dtype)
         runner.setup_execution("inductor" if compiled else "none", tuple(batches))  # as the engine does
         rates = [tokens_per_s(runner, b, args.context, args.steps) for b in batches]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from llmserve import kernels
 from llmserve.config import EngineConfig
 from llmserve.engine.block_manager import KVCacheManager
 from llmserve.engine.cpu_runtime import keep_large_allocations
@@ -45,7 +44,6 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.dtype = DTYPES[config.dtype]
         self.model = load_model(self.model_dir, self.dtype, config.quantize)
-        self.model.use_native_attention(config.attention_backend == "auto" and kernels.load())
         self.model_config = self.model.config
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
@@ -60,7 +58,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
         buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
-        self.runner.setup_execution(config.compile, buckets)
+        self.runner.setup_execution(config.compile, buckets, config.attention_backend)
         self.kv_store = self._connect_kv_store(config)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmserve import kernels
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
@@ -67,9 +68,11 @@ class ModelRunner:
         graphs.warm_up(self.kv_caches)
         self.decode_graphs = graphs
 
-    def setup_execution(self, compile: str, buckets: tuple[int, ...]) -> None:
-        """`--compile inductor`: compiled decode buckets. `none`: eager with oneDNN-packed linear
+    def setup_execution(self, compile: str, buckets: tuple[int, ...], attention_backend: str = "auto") -> None:
+        """Decode attention: the native kernel when `auto` and it builds here, else pure torch.
+        `--compile inductor`: compiled decode buckets. `none`: eager with oneDNN-packed linear
         weights (int8 layers are left alone). tensorrt is refused before the model loads."""
+        self.model.use_native_attention(attention_backend == "auto" and kernels.load())
         if compile == "inductor":
             self.use_compiled_decode(DecodeGraphs(self.model, buckets))
         elif compile == "none":

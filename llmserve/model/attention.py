@@ -84,9 +84,9 @@ class KVCacheAttention(torch.nn.Module):
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
         if self.native:
-            out = torch.ops.llmserve.paged_decode_attention(
-                q.to(k_cache.dtype), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
-            return out.to(q.dtype)
+            return torch.ops.llmserve.paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
+        meta.prepare_decode_bias(k_cache.shape[1])  # built by the first layer, shared by the rest
         d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
         keys, vals = _gather(k_cache, meta.decode_block_tables), _gather(v_cache, meta.decode_block_tables)
         if q.dtype == torch.float32:  # the CPU flash kernel is the fastest fp32 path

@@ -126,14 +126,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.native_decode = False
 
     def use_native_attention(self, enabled: bool) -> None:
         """Decode attention through the native kernel (True) or pure torch (False)."""
-        self.native_decode = bool(enabled)
-        for m in self.modules():
-            if isinstance(m, KVCacheAttention):
-                m.native = self.native_decode
+        for layer in self.layers:
+            layer.self_attn.attn.native = bool(enabled)
+
+    @property
+    def native_decode(self) -> bool:
+        return self.layers[0].self_attn.attn.native
 
     def forward(
         self,
@@ -143,8 +144,6 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
-        if not self.native_decode:  # the kernel reads exactly seq_len rows: no padding mask
-            meta.prepare_decode_bias(kv_caches[0].shape[2])
         rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, cache, meta)
