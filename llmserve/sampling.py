@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from llmserve.errors import InvalidRequestError
 
@@ -97,3 +97,24 @@ def _num(v: object) -> bool:
 def _check(ok: bool, message: str, param: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param)
+
+
+@dataclass(slots=True, frozen=True)
+class Sample:
+    """One engine request behind an API request: sample `index` of the n for its prompt."""
+
+    index: int  # prompt_index * n + sample index, as OpenAI numbers choices
+    prompt_index: int
+    request_id: str  # "<parent id>-<index>"
+    params: SamplingParams  # n=1; seed + sample index when the request has a seed
+
+
+def fan_out(request_id: str, num_prompts: int, params: SamplingParams) -> list[Sample]:
+    """The n samples of each prompt as separate engine requests (the one place n is expanded)."""
+    samples = []
+    for p in range(num_prompts):
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            idx = p * params.n + i
+            samples.append(Sample(idx, p, f"{request_id}-{idx}", replace(params, n=1, seed=seed)))
+    return samples

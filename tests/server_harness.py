@@ -1,9 +1,10 @@
-"""A real uvicorn server in-process (background thread) on 127.0.0.1 with an ephemeral port, or
-`llmserve serve` as a subprocess (server_process: e.g. replicas sharing one Redis).
+"""A real server on 127.0.0.1 with an ephemeral port: uvicorn in a background thread of the test
+process over an engine-core process of its own (live_server), or all of `llmserve serve` as a
+subprocess (server_process: e.g. replicas sharing one Redis, or a server whose exit code counts).
 
-Running in-process lets tests read the engine's own stats (live.ctx.async_engine.stats); a
-subprocess server's figures come from GET /stats.
-Torch runs on one thread: on a shared 2-core machine, intra-op threads mostly wait for each other.
+Either way the engine runs in its own process, as in production; live.stats() reads it through
+GET /stats. Torch runs on one thread: on a shared 2-core machine, intra-op threads mostly wait
+for each other.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 import uvicorn
 
 from llmserve.config import EngineConfig, ServerConfig, from_sources
-from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.client import EngineClient
 from llmserve.engine.llm import LLM
 from llmserve.engine.outputs import EngineStats
-from llmserve.server.app import create_app
+from llmserve.server.app import GracefulServer, create_app
 from llmserve.server.context import ServerContext
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -44,7 +45,10 @@ class LiveServer:
         return self.ctx.model_name
 
     def stats(self) -> EngineStats:
-        return self.ctx.async_engine.stats
+        """The engine's stats now, through GET /stats."""
+        key = self.ctx.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return EngineStats(**httpx.get(self.url + "/stats", headers=headers, timeout=10).json()["engine"])
 
 
 @contextlib.contextmanager
@@ -74,8 +78,14 @@ def live_server(model_dir: str, **options) -> Iterator[LiveServer]:
 def _serve(model_dir: str, options: dict) -> Iterator[LiveServer]:
     engine_opts = {"num_threads": 1, **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
     server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
-    engine = LLMEngine(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts))
-    app = create_app(engine, from_sources(ServerConfig, env={}, **server_opts))
+    server_config = from_sources(ServerConfig, env={}, **server_opts)
+    client = EngineClient.launch(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts),
+                                 server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
+    try:
+        app = create_app(client, server_config)
+    except BaseException:
+        client.close()
+        raise
     # proto IPPROTO_TCP, as uvicorn binds its own: asyncio sets TCP_NODELAY only on such sockets
     # (without it, a JSON reply on a kept-alive connection waits ~40 ms for a delayed ACK)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -83,7 +93,7 @@ def _serve(model_dir: str, options: dict) -> Iterator[LiveServer]:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level=server_opts["log_level"], lifespan="on", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = GracefulServer(config, app.state.ctx)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-uvicorn", daemon=True)
     thread.start()
     wait_for(lambda: server.started or not thread.is_alive(), 60, "the server did not start")
@@ -94,6 +104,7 @@ def _serve(model_dir: str, options: dict) -> Iterator[LiveServer]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+        client.close()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, message: str, interval: float = 0.02) -> None:
@@ -109,10 +120,22 @@ def sse_data(lines: Iterator[str] | list[str]) -> list[str]:
     return [line[5:].strip() for line in lines if line.startswith("data:")]
 
 
+@dataclasses.dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+
+    def core_pid(self) -> int:
+        """The engine-core process: the server's one child."""
+        children = [int(p) for t in Path(f"/proc/{self.proc.pid}/task").iterdir() for p in (t / "children").read_text().split()]
+        assert len(children) == 1, children
+        return children[0]
+
+
 @contextlib.contextmanager
-def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90) -> Iterator[str]:
-    """`python -m llmserve.cli serve --model DIR --port P ARGS...` on a free port; yields its URL
-    once /health answers 200; SIGTERM (then SIGKILL) on exit. Its log goes to log_path."""
+def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90) -> Iterator[ServerProcess]:
+    """`python -m llmserve.cli serve --model DIR --port P ARGS...` on a free port; yields it once
+    /health answers 200; SIGTERM (then SIGKILL) on exit. Its log goes to log_path."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -127,7 +150,7 @@ def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float 
             if proc.poll() is not None:
                 log.seek(0)
                 raise AssertionError(f"the server exited with {proc.returncode}: {log.read()[-3000:]}")
-            yield url
+            yield ServerProcess(url, proc)
         finally:
             proc.terminate()
             try:

@@ -30,7 +30,7 @@ def replicas(tiny_model, redis_server, tmp_path_factory):
     # here (a dead Redis is still refused at once; the unit tests time a dead one at 50 ms)
     args = ("--redis-url", redis_server.url, "--redis-timeout", "0.25")
     with server_process(tiny_model, logs / "a.log", *args) as a, server_process(tiny_model, logs / "b.log", *args) as b:
-        yield a, b
+        yield a.url, b.url
 
 
 @pytest.fixture(scope="module")

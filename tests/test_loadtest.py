@@ -31,8 +31,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model, tmp_path_factory) -> Iterator[str]:
-    with server_process(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as url:
-        yield url
+    with server_process(tiny_model, tmp_path_factory.mktemp("server") / "server.log") as server:
+        yield server.url
 
 
 def loadtest(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,10 +1,12 @@
-"""ServerMetrics driven by a real LLMEngine on the tiny model, read back through the text format."""
+"""ServerMetrics driven by a real LLMEngine on the tiny model (the outputs, stats and step times a
+StepOutputs carries), read back through the text format."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.cache.response_cache import ResponseCacheStats
 from llmserve.config import EngineConfig, from_sources
 from llmserve.engine.engine_core import LLMEngine
 from llmserve.sampling import SamplingParams
@@ -45,7 +47,10 @@ def run(engine: LLMEngine, metrics: ServerMetrics, prompts: list[list[int]], par
     for _ in range(1000):
         if not engine.has_unfinished_requests():
             break
-        metrics.on_step(engine.step(), engine)
+        steps = engine.num_steps
+        outputs = engine.step()
+        durations = [engine.step_records[-1].duration_s] if engine.num_steps > steps else []
+        metrics.on_step(outputs, engine.get_stats(), durations)
     assert not engine.has_unfinished_requests()
     return reqs
 
@@ -95,15 +100,14 @@ def test_counters_and_histograms_follow_the_requests(engine):
 
 
 def test_aborts_rejections_and_cache_events(engine):
-    metrics = ServerMetrics(engine.get_stats)  # created mid-life: counts only what happens from now
+    cache = ResponseCacheStats(hits=5, misses=3, errors=1)  # before: not counted
+    metrics = ServerMetrics(engine.get_stats, lambda: cache)  # created mid-life: counts only what happens from now
     prompts = [[11 + i] * 24 for i in range(3)]
     params = [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)] * 3
     run(engine, metrics, prompts, params, abort={1})
     metrics.on_rejected()
     metrics.on_rejected()
-    metrics.on_response_cache(hit=True)
-    metrics.on_response_cache(hit=False)
-    metrics.on_cache_error("kv_store")
+    cache.hits, cache.misses, cache.errors = cache.hits + 1, cache.misses + 1, cache.errors + 2
     m = scrape(metrics)
     assert m[("llmserve:request_aborted_total", ())] == 1
     assert m[("llmserve:request_success_total", (("finish_reason", "length"),))] == 2
@@ -113,8 +117,9 @@ def test_aborts_rejections_and_cache_events(engine):
     assert m[("llmserve:request_rejected_total", ())] == 2
     assert m[("llmserve:response_cache_hits_total", ())] == 1
     assert m[("llmserve:response_cache_misses_total", ())] == 1
-    assert m[("llmserve:cache_errors_total", (("cache", "kv_store"),))] == 1
-    assert m[("llmserve:cache_errors_total", (("cache", "response"),))] == 0
+    assert m[("llmserve:cache_errors_total", (("cache", "response"),))] == 2
+    assert m[("llmserve:cache_errors_total", (("cache", "kv_store"),))] == 0
+    assert scrape(metrics)[("llmserve:response_cache_hits_total", ())] == 1  # a second scrape adds nothing
 
 
 def test_preemptions_are_counted_as_deltas(tiny_model):

@@ -1,11 +1,12 @@
 """LLMEngine: step() = schedule -> run the model on one mixed batch -> update requests.
 
-Not thread-safe: one thread drives it (AsyncEngine's engine thread, or LLM.generate).
+Not thread-safe: one thread drives it (the engine-core process's loop, or LLM.generate).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -13,14 +14,14 @@ from pathlib import Path
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
 from llmserve.engine.block_manager import KVCacheManager
 from llmserve.engine.cpu_runtime import keep_large_allocations
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from llmserve.engine.outputs import EngineStats, RequestOutput
-from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.request import Request, RequestStatus, Timeline
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.model.compile import DEFAULT_BUCKETS, check_tensorrt
 from llmserve.model.loader import fingerprint, load_model
 from llmserve.profiling import StepRecord
@@ -60,6 +61,10 @@ class LLMEngine:
         buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
         self.runner.setup_execution(config.compile, buckets, config.attention_backend)
         self.kv_store = self._connect_kv_store(config)
+        self.info = EngineInfo(
+            self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,
+            config.block_size, self.kv.pool.num_usable, tuple(self.eos_token_ids), os.getpid(),
+        )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
@@ -100,47 +105,24 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
     ) -> Request:
-        req = self.make_request(request_id, prompt_token_ids, params, arrival_time)
-        self.add(req)
-        return req
+        """Validate (typed errors) and queue a request; the live Request, for in-process callers."""
+        arrival = time.time() if arrival_time is None else arrival_time
+        return self.add(make_core_request(self.info, request_id, prompt_token_ids, params, arrival))
 
-    def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
-    ) -> Request:
-        """Validate and build a Request; touches no engine state, so any thread may call it."""
-        params.check_vocab(self.model_config.vocab_size)
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not (0 <= t < self.model_config.vocab_size) for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size})", "prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
-        if n_prompt + max(max_tokens, 1) > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request has "
-                f"{n_prompt} prompt tokens and max_tokens {max_tokens} ({n_prompt + max_tokens} in total)",
-                "prompt" if n_prompt >= self.max_model_len else "max_tokens",
-            )
-        if self.kv.blocks_needed(n_prompt + max_tokens) > self.kv.pool.num_usable:
-            raise PromptTooLongError(
-                f"the request needs {n_prompt + max_tokens} tokens of KV cache; the cache holds "
-                f"{self.kv.pool.num_usable * self.kv.block_size}", "max_tokens",
-            )
-        req = Request(request_id, list(prompt_token_ids), params, max_tokens, self.eos_token_ids)
-        if arrival_time is not None:
-            req.timeline.arrival = arrival_time
-        return req
-
-    def add(self, req: Request) -> None:
+    def add(self, core: EngineCoreRequest) -> Request:
+        """Queue a request already checked against self.info (make_core_request)."""
+        req = Request(core.request_id, core.prompt_token_ids, core.sampling_params, core.max_tokens,
+                      self.eos_token_ids, Timeline(core.arrival_time))
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
         self.scheduler.add_request(req)
+        return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self.pending.append(self._output(req, [], "", []))
+        self.pending.append(self._output(req, [], "", [], time.time()))
         self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -188,7 +170,7 @@ class LLMEngine:
                 text += detok.flush()
                 self.scheduler.finish(req, status)
                 self._forget(req.request_id)
-            outputs.append(self._output(req, [token], text, [lp] if lp else []))
+            outputs.append(self._output(req, [token], text, [lp] if lp else [], now))
         return outputs, detok_s
 
     def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
@@ -211,10 +193,16 @@ class LLMEngine:
         self.detokenizers.pop(request_id, None)
         self.runner.sampler.forget(request_id)
 
-    def _output(self, req: Request, tokens: list[int], text: str, lps: list) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], text: str, lps: list, now: float) -> RequestOutput:
+        """A copied record: prompt logprobs ride on the first token, the timeline on the last."""
+        n_out = len(req.output_token_ids)
+        first = bool(tokens) and n_out == len(tokens)
+        prompt_lps = list(req.prompt_logprobs) if first and req.sampling_params.prompt_logprobs is not None else None
+        tl = req.timeline
+        timeline = Timeline(tl.arrival, tl.first_scheduled, list(tl.token_times), tl.finished) if req.status.finished else None
         return RequestOutput(
             req.request_id, tokens, text, lps, req.status.finished, req.finish_reason, req.stop_reason,
-            req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens, req,
+            req.num_prompt_tokens, n_out, req.num_cached_tokens, now, prompt_lps, timeline,
         )
 
     def _record(

@@ -1,23 +1,17 @@
-"""LLM: the offline API. `LLM(model=None, **engine_options).generate(prompts, SamplingParams(...))`."""
+"""LLM: the offline API. `LLM(model=None, **engine_options).generate(prompts, SamplingParams(...))`.
+It drives the engine in process (no engine-core process, no IPC)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
 from llmserve.config import EngineConfig, from_sources
 from llmserve.engine.engine_core import LLMEngine
 from llmserve.engine.outputs import CompletionOutput, GenerationOutput, RequestOutput
-from llmserve.sampling import SamplingParams
+from llmserve.sampling import SamplingParams, fan_out
 
 Prompt = str | list[int]
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: n=1, and a distinct seed when the request has one."""
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
 
 
 class LLM:
@@ -41,25 +35,26 @@ class LLM:
         for prompt, p in zip(prompts, plist, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             out = GenerationOutput(f"gen-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, [])
-            for i in range(p.n):
-                rid = f"{out.request_id}-{i}"
-                req = self.engine.add_request(rid, ids, child_params(p, i))
-                out.outputs.append(CompletionOutput(i, "", [], None))
-                children[rid] = (out, i, req)
+            for s in fan_out(out.request_id, 1, p):
+                self.engine.add_request(s.request_id, ids, s.params)
+                out.outputs.append(CompletionOutput(s.index, "", [], None, logprobs=[] if p.logprobs is not None else None))
+                children[s.request_id] = (out, s.index)
             results.append(out)
         while self.engine.has_unfinished_requests():
             for o in self.engine.step():
                 if on_output is not None:
                     on_output(o)
-                out, i, req = children[o.request_id]
+                out, i = children[o.request_id]
                 c = out.outputs[i]
                 c.text += o.new_text
+                c.token_ids += o.new_token_ids
+                if c.logprobs is not None:
+                    c.logprobs += o.new_logprobs
+                if o.prompt_logprobs is not None:
+                    out.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
-                    c.token_ids, c.finish_reason, c.stop_reason = list(req.output_token_ids), o.finish_reason, o.stop_reason
-                    c.logprobs = list(req.logprobs) if req.sampling_params.logprobs is not None else None
+                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
                     out.num_cached_tokens = o.num_cached_tokens
-                    if req.sampling_params.prompt_logprobs is not None:
-                        out.prompt_logprobs = list(req.prompt_logprobs)
         return results
 
     def get_stats(self):

@@ -1,10 +1,26 @@
-"""Records the engine hands to its callers."""
+"""Records the engine hands to its callers: plain copies, never a live Request, so they cross a
+process boundary (engine/messages.py) as they are."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.engine.request import Request, TokenLogprobs
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # [(token_id, logprob)] best first
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Wall-clock timestamps (time.time()) of one request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
 
 
 @dataclass(slots=True)
@@ -21,7 +37,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    request: Request  # read-only view for timelines and prompt logprobs
+    token_time: float  # time.time() when new_token_ids were sampled (one step: one time)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the request's first output, when asked
+    timeline: Timeline | None = None  # a copy, on the finished output
 
 
 @dataclass(slots=True)
@@ -74,4 +92,4 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
-    kv_store: dict = field(default_factory=dict)
+    kv_store: dict[str, int] = field(default_factory=dict)

@@ -6,7 +6,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from llmserve.engine.outputs import Timeline, TokenLogprobs
 from llmserve.sampling import SamplingParams
+
+__all__ = ["Request", "RequestStatus", "Timeline", "TokenLogprobs"]
 
 
 class RequestStatus(enum.Enum):
@@ -20,23 +23,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort")
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # [(token_id, logprob)] best first
-
-
-@dataclass(slots=True)
-class Timeline:
-    """Wall-clock timestamps (time.time()) of one request's life."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished: float | None = None
 
 
 @dataclass(slots=True, eq=False)

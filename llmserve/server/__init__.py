@@ -1,4 +1,4 @@
-"""HTTP server: OpenAI-compatible and native routes over the AsyncEngine (Starlette + uvicorn + SSE)."""
+"""HTTP server: OpenAI-compatible and native routes over the engine client (Starlette + uvicorn + SSE)."""
 
 from llmserve.server.app import create_app, run_server
 

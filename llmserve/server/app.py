@@ -1,9 +1,14 @@
-"""The Starlette app over one AsyncEngine, and `llmserve serve`: uvicorn with a graceful SIGTERM.
+"""The Starlette app over one EngineClient, and `llmserve serve`: the engine core in its own
+process, uvicorn in this one, with a graceful SIGTERM.
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes and new requests get 503; in-flight
 requests run on for --shutdown-timeout seconds, then the rest are aborted, so every stream still
-ends with a finish_reason ("abort") and [DONE]; then the engine thread stops and the process
+ends with a finish_reason ("abort") and [DONE]; then the core process stops and the server
 exits 0. A second Ctrl-C exits at once.
+
+Death of the core process: every in-flight stream ends with an error event (then [DONE]),
+every waiting non-streaming request with a 503 error body, /health answers 503 and new requests
+503; DEATH_LINGER_S later the server exits 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import asyncio
 import hmac
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -28,8 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.client import EngineClient
 from llmserve.errors import EngineDeadError, LLMServeError
 from llmserve.server import native, openai, stats
 from llmserve.server.context import ServerContext, get_context
@@ -40,9 +46,11 @@ from llmserve.server.errors import (
     error_response,
 )
 from llmserve.server.metrics import ServerMetrics
+from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmserve.server")
 OPEN_PATHS = ("/health", "/metrics")  # no API key, served while draining (Prometheus scrapes)
+DEATH_LINGER_S = 1.0  # after the core dies: time for error bodies to flush and /health to say 503
 
 
 class Gate:
@@ -73,36 +81,38 @@ class Gate:
 
 
 async def health(request: Request) -> Response:
-    """200 while the engine thread runs; 503 (with an error body) once it died or shutdown began."""
+    """200 while the engine core runs; 503 (with an error body) once it died or shutdown began."""
     ctx = get_context(request)
-    if not ctx.async_engine.alive:
-        return error_response(EngineDeadError(f"the engine is not running: {ctx.async_engine.error!r}", code="engine_dead"))
+    if not ctx.client.alive:
+        why = ctx.client.error.message if ctx.client.error else "it has stopped"
+        return error_response(EngineDeadError(f"the engine is not running: {why}", code="engine_dead"))
     if ctx.draining:
         return error_response(ShuttingDownError("the server is shutting down", code="shutting_down"))
     return Response(status_code=200)
 
 
-def create_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
-    """The app over `engine`; its lifespan starts and stops the engine thread.
-    app.state.ctx (ServerContext) holds the engine, the AsyncEngine, the config and the response
+def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
+    """The app over the engine behind `client` (launched, not yet started); its lifespan attaches
+    the client to the loop and stops the core process at the end.
+    app.state.ctx (ServerContext) holds the client, the tokenizer, the config and the response
     cache (in process, or in Redis when the engine has a --redis-url)."""
+    engine_config = client.config
     cache = make_response_cache(config.response_cache, config.response_cache_ttl, config.response_cache_bytes,
-                                engine.config.redis_url, engine.config.redis_timeout)
-    ctx = ServerContext(engine, AsyncEngine(engine, config.max_waiting, config.max_waiting_tokens), config, cache)
+                                engine_config.redis_url, engine_config.redis_timeout)
+    ctx = ServerContext(client, Tokenizer(Path(client.info.model_dir)), config, cache)
     metrics = ServerMetrics()
-    metrics.attach(ctx.async_engine)  # a step listener, registered before the engine thread starts
+    metrics.attach(client, lambda: ctx.response_cache_stats)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
-        ctx.async_engine.start()
+        await client.start()
         logger.info("serving %s (context %d tokens)", ctx.model_name, ctx.max_model_len)
         try:
             yield
         finally:
-            ctx.async_engine.abort_all()
-            ctx.async_engine.stop()
-            await asyncio.to_thread(ctx.async_engine.join, 10.0)
+            client.abort_all()
+            await client.shutdown()
             if ctx.response_cache is not None:
                 await ctx.response_cache.close()
 
@@ -118,12 +128,23 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, but a signal starts our drain, and the process is not re-killed by the signal
-    after a clean shutdown (uvicorn re-raises it, which would make the exit status 143)."""
+    """uvicorn, but a signal starts our drain, the process is not re-killed by the signal after a
+    clean shutdown (uvicorn re-raises it, which would make the exit status 143), and the death of
+    the engine core stops the server DEATH_LINGER_S later."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext):
         super().__init__(config)
         self.ctx = ctx
+        self.engine_dead_since: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.ctx.client.error is not None:
+            now = time.monotonic()
+            self.engine_dead_since = self.engine_dead_since or now
+            if now - self.engine_dead_since >= DEATH_LINGER_S and not self.should_exit:
+                logger.error("the engine core is gone: the server stops")
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -133,24 +154,28 @@ class GracefulServer(uvicorn.Server):
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """`llmserve serve`: load the model, serve until SIGTERM/SIGINT, drain; the exit code."""
+    """`llmserve serve`: start the engine core, serve until SIGTERM/SIGINT (or the core's death),
+    drain; the exit code (1 when the core died)."""
     # Streams end through our drain (abort -> final chunk -> [DONE]), not sse-starlette's own
     # cancel-on-shutdown, which would cut them without a finish_reason.
     AppStatus.disable_automatic_graceful_drain()
-    engine = LLMEngine(engine_config)
-    app = create_app(engine, server_config)
-    ctx: ServerContext = app.state.ctx
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
-        # a backstop only: our drain aborts what is left at shutdown_timeout
-        timeout_graceful_shutdown=max(0.0, server_config.shutdown_timeout) + 10,
-        lifespan="on",
-    )
-    server = GracefulServer(config, ctx)
-    server.run()
+    client = EngineClient.launch(engine_config, server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
+    try:
+        app = create_app(client, server_config)
+        ctx: ServerContext = app.state.ctx
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=server_config.log_level,
+            # a backstop only: our drain aborts what is left at shutdown_timeout
+            timeout_graceful_shutdown=max(0.0, server_config.shutdown_timeout) + 10,
+            lifespan="on",
+        )
+        server = GracefulServer(config, ctx)
+        server.run()
+    finally:
+        client.close()
     if not server.started:
         return 1
-    return 1 if ctx.async_engine.error is not None else 0
+    return 1 if client.error is not None else 0

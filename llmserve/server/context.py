@@ -1,5 +1,5 @@
-"""ServerContext: what every route needs (engine, config, served model, response cache), and the
-drain state."""
+"""ServerContext: what every route needs (the engine client, the tokenizer, config, the response
+cache), and the drain state."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from starlette.requests import Request
 
 from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
 from llmserve.config import ServerConfig
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.client import EngineClient
 from llmserve.server.errors import NotFoundError
 from llmserve.tokenizer import Tokenizer
 
@@ -23,8 +22,8 @@ logger = logging.getLogger("llmserve.server")
 
 @dataclass(slots=True)
 class ServerContext:
-    engine: LLMEngine  # validation and tokenizer only; the engine thread owns its state
-    async_engine: AsyncEngine
+    client: EngineClient  # the one door to the engine-core process
+    tokenizer: Tokenizer
     config: ServerConfig
     response_cache: ResponseCache | None = None  # None: --no-response-cache
     created: int = field(default_factory=lambda: int(time.time()))
@@ -34,20 +33,16 @@ class ServerContext:
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.client.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
 
     @property
     def response_cache_stats(self) -> ResponseCacheStats:
         """hits, misses, errors, rejected, stored (all zero when the cache is off)."""
         return self.response_cache.stats if self.response_cache is not None else ResponseCacheStats()
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         """`model` may be omitted; otherwise it must name the served model."""
@@ -67,10 +62,10 @@ class ServerContext:
             self._deadline = self.loop.call_later(grace, self._abort_in_flight)  # type: ignore[union-attr]
 
     def _abort_in_flight(self) -> None:
-        n = len(self.async_engine.streams)
+        n = len(self.client.sinks)
         if n:
             logger.info("grace period over: aborting %d request(s)", n)
-        self.async_engine.abort_all()
+        self.client.abort_all()
 
 
 def get_context(request: Request) -> ServerContext:

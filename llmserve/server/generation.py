@@ -2,9 +2,9 @@
 into one stream of deltas, with per-choice totals and usage.
 
 Lifecycle: Generation(...) validates every child (typed errors, nothing submitted yet);
-`await start()` submits them all and returns once each is accepted and has produced its first
-delta, so a refusal (429) or a dead engine (503) becomes an HTTP status rather than a broken
-stream; `async for choice, delta in events()` yields until every child has finished;
+`await start()` submits them all through the engine client and returns once each has produced
+its first delta, so a refusal (429) or a dead engine (503) becomes an HTTP status rather than a
+broken stream; `async for choice, delta in events()` yields until every child has finished;
 `close()` (idempotent, synchronous) aborts any child still running. Whoever holds a started
 Generation must close it: the SSE response does so when the stream ends or the client goes.
 
@@ -21,12 +21,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 from llmserve.cache.response_cache import ResponseRecord, cache_key
-from llmserve.engine.llm import child_params
-from llmserve.engine.outputs import RequestOutput
-from llmserve.engine.request import Request, TokenLogprobs
-from llmserve.sampling import SamplingParams
+from llmserve.engine.client import EngineCoreRequest
+from llmserve.engine.outputs import RequestOutput, Timeline, TokenLogprobs
+from llmserve.sampling import SamplingParams, fan_out
 from llmserve.server.context import ServerContext
 from llmserve.server.errors import ShuttingDownError
 from llmserve.server.replay import record_choice, replay_choice
@@ -40,13 +40,15 @@ class Choice:
 
     index: int  # prompt_index * n + sample index, as OpenAI numbers choices
     prompt_index: int
-    request: Request
+    request: EngineCoreRequest  # as sent to the engine
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked (echo)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    timeline: Timeline | None = None  # the engine's, once finished
 
     @property
     def finished(self) -> bool:
@@ -62,6 +64,7 @@ class Delta:
     logprobs: list[TokenLogprobs]
     finish_reason: str | None
     first_token_index: int  # output position of token_ids[0]
+    token_time: float  # time.time() when the engine sampled token_ids
 
 
 class Generation:
@@ -80,14 +83,13 @@ class Generation:
         self.prompts = prompts
         self.score_only = score_only
         arrival = time.time() if arrival is None else arrival
-        self.choices: list[Choice] = []
-        for p, ids in enumerate(prompts):
-            for i in range(params.n):
-                idx = p * params.n + i
-                req = ctx.engine.make_request(f"{request_id}-{idx}", ids, child_params(params, i), arrival)
-                self.choices.append(Choice(idx, p, req))
+        make = ctx.client.make_request
+        self.choices = [
+            Choice(s.index, s.prompt_index, make(s.request_id, prompts[s.prompt_index], s.params, arrival))
+            for s in fan_out(request_id, len(prompts), params)
+        ]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
+        self._submitted: list[str] = []  # engine request ids sent
         self._buffer: deque[tuple[int, RequestOutput]] = deque()  # first deltas, read by start()
         self.cache_key = self._cache_key(params, use_cache)
         self.cache_status = "miss"  # "hit": answered from the response cache
@@ -98,8 +100,8 @@ class Generation:
         if self.ctx.response_cache is None or not use_cache or params.n != 1 or not params.deterministic:
             return None
         return cache_key(
-            self.ctx.engine.fingerprint, self.prompts, params.canonical(), score_only=self.score_only,
-            max_model_len=self.ctx.max_model_len, eos=list(self.choices[0].request.eos_token_ids),
+            self.ctx.client.info.fingerprint, self.prompts, params.canonical(), score_only=self.score_only,
+            max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids),
         )
 
     @property
@@ -111,8 +113,10 @@ class Generation:
             raise ShuttingDownError("the server is shutting down")
         if self.cache_key is not None and await self._replay():
             return
-        self._tasks = [asyncio.create_task(self._pump(c.index, c.request)) for c in self.choices]
         try:
+            for c in self.choices:
+                self.ctx.client.add_request(c.request, partial(self._on_output, c.index))
+                self._submitted.append(c.request.request_id)
             started: set[int] = set()
             while len(started) < len(self.choices):
                 i, item = await self._queue.get()
@@ -138,21 +142,19 @@ class Generation:
     def _store(self) -> None:
         if self._recorded is None or any(c.finish_reason == "abort" for c in self.choices):
             return
-        choices = [record_choice(outs, c.request) for outs, c in zip(self._recorded, self.choices, strict=True)]
+        choices = [record_choice(outs, c.prompt_logprobs) for outs, c in zip(self._recorded, self.choices, strict=True)]
         self.ctx.response_cache.store(self.cache_key, ResponseRecord(choices))  # type: ignore[union-attr, arg-type]
         self._recorded = None
 
-    async def _pump(self, index: int, req: Request) -> None:
-        try:
-            async for out in self.ctx.async_engine.generate(req):
-                self._queue.put_nowait((index, out))
-        except Exception as e:  # overload, engine death: the consumer raises it
-            self._queue.put_nowait((index, e))
+    def _on_output(self, index: int, item: RequestOutput | BaseException) -> None:
+        """The engine client's sink for one child (loop thread): an output, or its death."""
+        self._queue.put_nowait((index, item))
 
     def close(self) -> None:
-        """Abort every unfinished child (cancelling its generate() sends the abort)."""
-        for t in self._tasks:
-            t.cancel()
+        """Abort every child still running (the client ignores finished ones)."""
+        for rid in self._submitted:
+            self.ctx.client.abort_request(rid)
+        self._submitted = []
 
     async def events(self) -> AsyncIterator[tuple[Choice, Delta]]:
         """(choice, delta) in arrival order, until every choice has finished."""
@@ -176,16 +178,20 @@ class Generation:
         if self._recorded is not None:
             self._recorded[c.index].append(out)
         first = out.num_output_tokens - len(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         if self.score_only:  # the one sampled token is not part of the answer
             reason = out.finish_reason and ("abort" if out.finish_reason == "abort" else "length")
-            delta, stop_reason = Delta([], "", [], reason, first), None
+            delta, stop_reason = Delta([], "", [], reason, first, out.token_time), None
         else:
-            delta, stop_reason = Delta(out.new_token_ids, out.new_text, out.new_logprobs, out.finish_reason, first), out.stop_reason
+            delta = Delta(out.new_token_ids, out.new_text, out.new_logprobs, out.finish_reason, first, out.token_time)
+            stop_reason = out.stop_reason
             c.text += out.new_text
             c.token_ids += out.new_token_ids
             c.logprobs += out.new_logprobs
         if out.finished:
             c.finish_reason, c.stop_reason, c.num_cached_tokens = delta.finish_reason, stop_reason, out.num_cached_tokens
+            c.timeline = out.timeline
         return delta
 
     async def run(self) -> list[Choice]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmserve.engine.request import TokenLogprobs
+from llmserve.engine.outputs import TokenLogprobs
 from llmserve.tokenizer import Tokenizer
 
 FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)

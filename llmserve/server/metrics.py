@@ -1,24 +1,25 @@
 """Prometheus metrics of one server (GET /metrics, text format), in a registry of their own.
 
-Feeds: `on_step(outputs, engine)` is an AsyncEngine step listener (engine thread, after each
-step); `on_rejected()` is called per 429; `on_response_cache(hit)` / `on_cache_error(cache)` by
-the caches; `render()` (any thread) refreshes the gauges from the engine's stats and serializes.
+Feeds: `on_step(outputs, stats, step_durations)` runs on the server's loop once per engine step
+(an EngineClient step listener: the StepOutputs the core sent); `on_rejected()` per 429;
+`render()` refreshes the gauges from the latest engine stats, counts the response cache's
+hits/misses/errors since the last scrape (ResponseCacheStats, the cache's own tally), and
+serializes.
 
 What is observed when:
 - generation tokens: every step, as tokens are emitted; prompt tokens: when a request's first
   token is emitted (its prefill is done);
-- per finished request (timeline -> RequestTimings, computed once): TTFT and every ITL (aborted
-  requests too), and for stop/length only: e2e, queue, prefill, decode, request_success{finish_reason};
-  aborted requests count in request_aborted_total;
-- step duration: once per engine step (StepRecord.duration_s);
-- preemptions, prefix-cache queries/hits (in tokens), KV-store blocks: deltas of the engine's
-  cumulative stats since the last step, so the counters stay monotonic.
+- per finished request (its Timeline, copied on the finished output -> RequestTimings): TTFT and
+  every ITL (aborted requests too), and for stop/length only: e2e, queue, prefill, decode,
+  request_success{finish_reason}; aborted requests count in request_aborted_total;
+- step duration: once per engine step;
+- preemptions, prefix-cache queries/hits (in tokens), KV-store blocks and errors, response-cache
+  hits/misses/errors: deltas of cumulative stats, so the counters stay monotonic.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -35,9 +36,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.engine_core import LLMEngine
-from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.cache.response_cache import ResponseCacheStats
+from llmserve.engine.client import EngineClient, EngineStats, RequestOutput
 from llmserve.profiling import timings_of
 
 logger = logging.getLogger("llmserve.metrics")
@@ -50,17 +50,21 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0
            1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 FINISH_REASONS = ("stop", "length")
 CACHES = ("response", "kv_store")
-# cumulative EngineStats fields, and the keys the KV store reports in EngineStats.kv_store (its
-# contract: cumulative block counts under these names) -> our counter attribute
+# cumulative EngineStats fields, the keys the KV store reports in EngineStats.kv_store (its
+# contract: cumulative counts under these names) and ResponseCacheStats fields -> our counter
 ENGINE_COUNTERS = {"num_preemptions": "preemptions", "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits"}
-KV_STORE_COUNTERS = {"blocks_read": "kv_store_read", "blocks_written": "kv_store_written"}
+KV_STORE_COUNTERS = {"blocks_read": "kv_store_read", "blocks_written": "kv_store_written", "errors": "kv_store_errors"}
+RESPONSE_CACHE_COUNTERS = {"hits": "response_cache_hits", "misses": "response_cache_misses", "errors": "response_cache_errors"}
 
 
 class ServerMetrics:
-    def __init__(self, stats_source: Callable[[], EngineStats] | None = None):
-        """stats_source: the engine's latest stats (for gauges, and the counters' baseline)."""
+    def __init__(self, stats_source: Callable[[], EngineStats] | None = None,
+                 response_cache_source: Callable[[], ResponseCacheStats] | None = None):
+        """stats_source: the engine's latest stats (for gauges, and the counters' baseline);
+        response_cache_source: the response cache's cumulative tally."""
         self.registry = r = CollectorRegistry()
         self.stats_source = stats_source
+        self.response_cache_source = response_cache_source
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(f"llmserve:{name}", doc, buckets=BUCKETS, registry=r)
@@ -98,33 +102,37 @@ class ServerMetrics:
             self.success.labels(reason)
         for cache in CACHES:
             self.cache_errors.labels(cache)
+        self.kv_store_errors = self.cache_errors.labels("kv_store")
+        self.response_cache_errors = self.cache_errors.labels("response")
 
-        self._last: dict[str, int] = {}  # cumulative engine counts at the last step
-        self._last_step = 0
+        self._last: dict[str, int] = {}  # cumulative counts at the last step / scrape
         self._baseline(stats_source() if stats_source else None)
 
     def _baseline(self, stats: EngineStats | None) -> None:
         """Count only what happens from now on (an engine may have run before we watch it)."""
         self._last = {f: getattr(stats, f, 0) for f in ENGINE_COUNTERS}
         self._last |= {k: stats.kv_store.get(k, 0) if stats else 0 for k in KV_STORE_COUNTERS}
-        self._last_step = stats.num_steps if stats else 0
+        cache = self.response_cache_source() if self.response_cache_source else ResponseCacheStats()
+        self._last |= {f"response_cache.{k}": getattr(cache, k) for k in RESPONSE_CACHE_COUNTERS}
 
-    def attach(self, engine: AsyncEngine) -> None:
-        """Observe `engine` (call before it starts): step listener + gauges from its stats."""
-        self.stats_source = lambda: dataclasses.replace(engine.stats, num_waiting=engine.num_waiting())
-        self._baseline(engine.stats)
-        engine.step_listeners.append(self.on_step)
+    def attach(self, client: EngineClient, response_cache_source: Callable[[], ResponseCacheStats] | None = None) -> None:
+        """Observe the engine behind `client` (a step listener) and the response cache's tally."""
+        self.stats_source = lambda: dataclasses.replace(client.stats, num_waiting=client.num_waiting())
+        self.response_cache_source = response_cache_source
+        self._baseline(client.stats)
+        client.step_listeners.append(lambda step: self.on_step(step.outputs, step.stats, step.step_durations))
 
     # ---- feeds -------------------------------------------------------------------------------
 
-    def on_step(self, outputs: list[RequestOutput], engine: LLMEngine) -> None:
-        """Engine thread, after each step. A metrics fault is logged, never raised into the engine."""
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, step_durations: list[float]) -> None:
+        """After each engine step (its outputs, the stats after it, its duration). A metrics
+        fault is logged, never raised into the caller."""
         try:
-            self._observe_step(outputs, engine)
+            self._observe_step(outputs, stats, step_durations)
         except Exception:
             logger.exception("metrics: observing a step failed")
 
-    def _observe_step(self, outputs: list[RequestOutput], engine: LLMEngine) -> None:
+    def _observe_step(self, outputs: list[RequestOutput], stats: EngineStats, step_durations: list[float]) -> None:
         """Tokens, finished requests, step time, stat deltas."""
         for o in outputs:
             n_new = len(o.new_token_ids)
@@ -134,11 +142,8 @@ class ServerMetrics:
                     self.prompt_tokens.inc(o.num_prompt_tokens)
             if o.finished:
                 self._on_finished(o)
-        stats = engine.get_stats()
-        new_steps = stats.num_steps - self._last_step
-        self._last_step = stats.num_steps
-        for rec in itertools.islice(reversed(engine.step_records), max(0, min(new_steps, len(engine.step_records)))):
-            self.step.observe(rec.duration_s)
+        for d in step_durations:
+            self.step.observe(d)
         for field_name, attr in ENGINE_COUNTERS.items():
             self._inc_delta(field_name, getattr(stats, field_name), attr)
         for key, attr in KV_STORE_COUNTERS.items():
@@ -146,7 +151,9 @@ class ServerMetrics:
         self._set_gauges(stats)
 
     def _on_finished(self, o: RequestOutput) -> None:
-        t = timings_of(o.request.timeline)
+        if o.timeline is None:
+            return
+        t = timings_of(o.timeline)
         if t.ttft_s is not None:
             self.ttft.observe(t.ttft_s)
         for gap in t.itl_s:
@@ -168,12 +175,12 @@ class ServerMetrics:
     def on_rejected(self) -> None:
         self.rejected.inc()
 
-    def on_response_cache(self, hit: bool) -> None:
-        (self.response_cache_hits if hit else self.response_cache_misses).inc()
-
-    def on_cache_error(self, cache: str) -> None:
-        """cache: "response" or "kv_store"."""
-        self.cache_errors.labels(cache).inc()
+    def _observe_response_cache(self) -> None:
+        if self.response_cache_source is None:
+            return
+        cache = self.response_cache_source()
+        for key, attr in RESPONSE_CACHE_COUNTERS.items():
+            self._inc_delta(f"response_cache.{key}", getattr(cache, key), attr)
 
     # ---- exposition --------------------------------------------------------------------------
 
@@ -186,6 +193,7 @@ class ServerMetrics:
         """(body, content type) of the Prometheus text format, gauges refreshed first."""
         if self.stats_source is not None:
             self._set_gauges(self.stats_source())
+        self._observe_response_cache()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def route(self, path: str = "/metrics") -> Route:

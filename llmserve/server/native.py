@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmserve.engine.request import TokenLogprobs
+from llmserve.engine.outputs import TokenLogprobs
 from llmserve.errors import InvalidRequestError
 from llmserve.profiling import timings_of
 from llmserve.server.context import ServerContext, get_context, new_id
@@ -59,16 +59,14 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
     return json_response(_final(gen), gen)
 
 
-async def _events(ctx: ServerContext, gen: Generation) -> AsyncIterator[str]:
-    choice = gen.choices[0]
-    timeline = choice.request.timeline
+async def _events(ctx: ServerContext, gen: Generation) -> AsyncIterator[bytes]:
+    arrival = gen.choices[0].request.arrival_time
     async for _, d in gen.events():
+        t_ms = round((d.token_time - arrival) * 1000, 3)
         for j, tid in enumerate(d.token_ids):
-            k = d.first_token_index + j
             lp = d.logprobs[j] if j < len(d.logprobs) else None
-            t = timeline.token_times[k] if k < len(timeline.token_times) else time.time()
             token = _token(ctx, tid, d.text if j == 0 else "", lp)
-            yield dumps({"token": token, "index": k, "t_ms": round((t - timeline.arrival) * 1000, 3)})
+            yield dumps({"token": token, "index": d.first_token_index + j, "t_ms": t_ms})
         if d.finish_reason is not None:
             yield dumps(_final(gen))
 
@@ -91,7 +89,7 @@ def _final(gen: Generation) -> dict:
         "generated_text": c.text,
         "token_ids": c.token_ids,
         "usage": gen.usage(),
-        "timings": timings_of(c.request.timeline).as_ms(),
+        "timings": timings_of(c.timeline).as_ms() if c.timeline else None,
     }
 
 
@@ -116,7 +114,7 @@ async def detokenize(request: Request) -> Response:
     ctx = get_context(request)
     body = DetokenizeRequest.parse(await read_json(request, ctx.config.max_request_bytes))
     ctx.check_model(body.model)
-    vocab = ctx.engine.model_config.vocab_size
+    vocab = ctx.client.info.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")

@@ -44,7 +44,7 @@ class _Reply:
             body["usage"] = usage
         return body
 
-    def usage_chunk(self) -> list[str]:
+    def usage_chunk(self) -> list[bytes]:
         return [dumps(self.envelope([], self.gen.usage()))] if self.include_usage else []
 
 
@@ -94,7 +94,7 @@ class _CompletionReply(_Reply):
         if self.body.logprobs is None:
             return text, None
         ids = self.gen.prompts[c.prompt_index]
-        lps, self.offsets[c.index] = completion_logprobs(self.name, ids, c.request.prompt_logprobs, 0)
+        lps, self.offsets[c.index] = completion_logprobs(self.name, ids, c.prompt_logprobs, 0)
         return text, lps
 
     def _choice(self, c: Choice, text: str, token_ids: list[int], lps: list, finish: str | None, first: bool) -> dict:
@@ -111,7 +111,7 @@ class _CompletionReply(_Reply):
         choices = [self._choice(c, c.text, c.token_ids, c.logprobs, c.finish_reason, True) for c in self.gen.choices]
         return self.envelope(choices, self.gen.usage(), final=True)
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[bytes]:
         started: set[int] = set()
         async for c, d in self.gen.events():
             first = c.index not in started
@@ -178,7 +178,7 @@ class _ChatReply(_Reply):
         ]
         return self.envelope(choices, self.gen.usage(), final=True)
 
-    def _chunk(self, c: Choice, delta: dict, d: Delta | None) -> str:
+    def _chunk(self, c: Choice, delta: dict, d: Delta | None) -> bytes:
         choice = {
             "index": c.index,
             "delta": delta,
@@ -189,7 +189,7 @@ class _ChatReply(_Reply):
             choice["stop_reason"] = c.stop_reason
         return dumps(self.envelope([choice]))
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[bytes]:
         for c in self.gen.choices:  # the role first, as OpenAI does
             yield self._chunk(c, {"role": "assistant", "content": ""}, None)
         async for c, d in self.gen.events():
@@ -208,7 +208,7 @@ def model_card(ctx: ServerContext) -> dict:
         "object": "model",
         "created": ctx.created,
         "owned_by": "llmserve",
-        "root": str(ctx.engine.model_dir),
+        "root": ctx.client.info.model_dir,
         "parent": None,
         "max_model_len": ctx.max_model_len,
     }

@@ -6,8 +6,8 @@ through the very code (deltas, SSE chunks, usage) that formatted the original.
 from __future__ import annotations
 
 from llmserve.cache.response_cache import LP, CachedChoice, CachedStep
-from llmserve.engine.outputs import RequestOutput
-from llmserve.engine.request import Request, TokenLogprobs
+from llmserve.engine.client import EngineCoreRequest
+from llmserve.engine.outputs import RequestOutput, Timeline, TokenLogprobs
 
 
 def _to_lp(lp: TokenLogprobs) -> LP:
@@ -18,33 +18,29 @@ def _from_lp(lp: LP) -> TokenLogprobs:
     return TokenLogprobs(lp[0], lp[1], list(lp[2]))
 
 
-def record_choice(outputs: list[RequestOutput], request: Request) -> CachedChoice:
-    """outputs: every engine output of one finished (stop or length) request, in order."""
+def record_choice(outputs: list[RequestOutput], prompt_logprobs: list[TokenLogprobs | None] | None) -> CachedChoice:
+    """outputs: every engine output of one finished (stop or length) request, in order;
+    prompt_logprobs: what the engine sent, when the request asked for them."""
     last = outputs[-1]
     assert last.finish_reason in ("stop", "length"), "only finished, unaborted choices are cached"
     steps = [CachedStep(list(o.new_token_ids), o.new_text, [_to_lp(x) for x in o.new_logprobs]) for o in outputs]
-    prompt_lps = None
-    if request.sampling_params.prompt_logprobs is not None:
-        prompt_lps = [None if x is None else _to_lp(x) for x in request.prompt_logprobs]
+    prompt_lps = None if prompt_logprobs is None else [None if x is None else _to_lp(x) for x in prompt_logprobs]
     return CachedChoice(steps, last.finish_reason, last.stop_reason, last.num_cached_tokens, prompt_lps)  # type: ignore[arg-type]
 
 
-def replay_choice(choice: CachedChoice, req: Request, now: float) -> list[RequestOutput]:
-    """The outputs the engine gave for `choice`, re-addressed to `req` (whose timeline and
-    prompt logprobs are filled in as if it had run, at time `now`)."""
-    if choice.prompt_logprobs is not None:
-        req.prompt_logprobs = [None if x is None else _from_lp(x) for x in choice.prompt_logprobs]
-    tl = req.timeline
-    tl.first_scheduled = tl.finished = now
-    outputs = []
+def replay_choice(choice: CachedChoice, req: EngineCoreRequest, now: float) -> list[RequestOutput]:
+    """The outputs the engine gave for `choice`, re-addressed to `req`, as if it had run at `now`."""
+    prompt_lps = None if choice.prompt_logprobs is None else [None if x is None else _from_lp(x) for x in choice.prompt_logprobs]
+    num_tokens = sum(len(s.token_ids) for s in choice.steps)
+    timeline = Timeline(req.arrival_time, now, [now] * num_tokens, now)
+    outputs, n_out = [], 0
     for i, s in enumerate(choice.steps):
         last = i == len(choice.steps) - 1
-        for t in s.token_ids:
-            req.append_output_token(t)
-            tl.token_times.append(now)
+        n_out += len(s.token_ids)
         outputs.append(RequestOutput(
             req.request_id, list(s.token_ids), s.text, [_from_lp(x) for x in s.logprobs], last,
             choice.finish_reason if last else None, choice.stop_reason if last else None,
-            req.num_prompt_tokens, len(req.output_token_ids), choice.num_cached_tokens, req,
+            len(req.prompt_token_ids), n_out, choice.num_cached_tokens, now,
+            prompt_lps if i == 0 else None, timeline if last else None,
         ))
     return outputs

@@ -19,9 +19,8 @@ from llmserve.server.context import get_context
 
 async def stats(request: Request) -> Response:
     ctx = get_context(request)
-    engine = dataclasses.asdict(ctx.async_engine.stats)
-    if ctx.engine.kv_store is not None:  # fresh: its writes land from a writer thread, between steps
-        engine["kv_store"] = ctx.engine.kv_store.stats.as_dict()
+    # fresh from the core, which answers after every request sent before (one ordered pipe)
+    engine = dataclasses.asdict(await ctx.client.get_stats())
     cache = ctx.response_cache
     response_cache = {
         "enabled": cache is not None,

@@ -11,10 +11,10 @@ Cancellation paths (each ends in Generation.close(), which aborts unfinished eng
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
+import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,8 +27,13 @@ from llmserve.server.generation import CACHE_HEADER, Generation
 __all__ = ["CACHE_HEADER", "GenerationStream", "dumps", "json_response", "unless_disconnected"]
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON (msgspec: several times json.dumps' speed on the per-token path)."""
+    return _json.encode(obj)
 
 
 def json_response(body: dict, gen: Generation) -> JSONResponse:
@@ -38,9 +43,10 @@ def json_response(body: dict, gen: Generation) -> JSONResponse:
 
 class GenerationStream(EventSourceResponse):
     """SSE (`data: <json>` events) over a started Generation; closes it when the response ends.
-    Its headers carry the response cache's verdict (x-llmserve-cache: hit | miss)."""
+    Its headers carry the response cache's verdict (x-llmserve-cache: hit | miss). Events are
+    framed here, as bytes, which sse-starlette sends as they are."""
 
-    def __init__(self, events: AsyncIterator[str], gen: Generation, done_marker: bool, headers: dict[str, str] | None = None):
+    def __init__(self, events: AsyncIterator[bytes], gen: Generation, done_marker: bool, headers: dict[str, str] | None = None):
         super().__init__(_guard(events, done_marker), headers={**gen.headers, **(headers or {})}, sep="\n")
         self.generation = gen
 
@@ -51,15 +57,16 @@ class GenerationStream(EventSourceResponse):
             self.generation.close()
 
 
-async def _guard(events: AsyncIterator[str], done_marker: bool) -> AsyncIterator[str]:
-    """An error after the headers went out becomes an error event; OpenAI streams end with [DONE]."""
+async def _guard(events: AsyncIterator[bytes], done_marker: bool) -> AsyncIterator[bytes]:
+    """JSON payloads -> SSE events. An error after the headers went out becomes an error event;
+    OpenAI streams end with [DONE]."""
     try:
         async for data in events:
-            yield data
+            yield b"data: " + data + b"\n\n"
     except LLMServeError as e:
-        yield dumps(error_body(e))
+        yield b"data: " + dumps(error_body(e)) + b"\n\n"
     if done_marker:
-        yield "[DONE]"
+        yield DONE
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:

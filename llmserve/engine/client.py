@@ -1,0 +1,262 @@
+"""EngineClient: the one door between the server and the engine. The engine core runs in its own
+OS process (engine/core_proc.py); this side holds no engine state, only what crossed the pipe.
+
+  server (asyncio loop)                                     engine-core process
+  add_request(req, sink) --AddRequest / AbortRequests-->    step loop
+  sink(RequestOutput)    <--StepOutputs (one per step)--    (every request's new tokens)
+
+The door: `info` (fixed limits), `make_request` (validation, typed 4xx), `add_request`,
+`abort_request` / `abort_all`, `stats` (as of the last step) / `await get_stats()` (fresh), and
+the outputs, delivered to each request's sink on the loop thread.
+
+Invariants: every accepted request's sink gets outputs until one is `finished`, or one exception
+(EngineDeadError when the core process dies); `abort_request` (the caller has gone) forgets the
+sink at once; `abort_all` (drain) lets each stream see its final "abort" output. All methods but
+`launch` and `close` run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+from llmserve import errors
+from llmserve.config import EngineConfig
+from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
+from llmserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Configure,
+    FrameReader,
+    FromCore,
+    GetStats,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    StatsReply,
+    StepOutputs,
+    frame,
+    read_available,
+    write_all,
+)
+from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from llmserve.sampling import SamplingParams
+
+__all__ = ["EngineClient", "EngineCoreRequest", "EngineInfo", "EngineStats", "RequestOutput", "StepOutputs"]
+
+logger = logging.getLogger("llmserve.engine")
+Sink = Callable[[RequestOutput | BaseException], None]
+STATS_TIMEOUT_S = 10.0
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, proc: subprocess.Popen, to_core: int, from_core: int, reader: FrameReader,
+                 info: EngineInfo, max_waiting: int = 256, max_waiting_tokens: int | None = None):
+        self.proc, self.to_core, self.from_core, self.reader = proc, to_core, from_core, reader
+        self.config = config  # what the core was started with
+        self.info = info
+        self.max_waiting, self.max_waiting_tokens = max_waiting, max_waiting_tokens
+        self.sinks: dict[str, Sink] = {}  # in flight: request_id -> where its outputs go
+        self.stats = EngineStats(0, 0, info.num_kv_blocks, info.num_kv_blocks, 0, 0.0, 0, 0, 0, 0)
+        self.step_listeners: list[Callable[[StepOutputs], None]] = []  # run on the loop, per step
+        self.death_listeners: list[Callable[[EngineDeadError], None]] = []
+        self.error: EngineDeadError | None = None
+        self._num_sent = self._tokens_sent = 0  # AddRequests written
+        self._num_seen = self._tokens_seen = 0  # ... and taken in by the core, as of the last step
+        self._calls = itertools.count()
+        self._stats_calls: dict[int, asyncio.Future[EngineStats]] = {}
+        self._writer: asyncio.WriteTransport | None = None
+        self._closing = False
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    @classmethod
+    def launch(cls, config: EngineConfig, log_level: str = "info", max_waiting: int = 256,
+               max_waiting_tokens: int | None = None) -> EngineClient:
+        """Start the core process and wait (blocking) until its engine is ready; a start-up
+        failure raises its typed error (e.g. ModelLoadError) here."""
+        core_in, to_core = os.pipe()
+        from_core, core_out = os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmserve.engine.core_proc", str(core_in), str(core_out)],
+            pass_fds=(core_in, core_out), stdin=subprocess.DEVNULL,
+        )
+        os.close(core_in)
+        os.close(core_out)
+        try:
+            write_all(to_core, frame(Configure(config, log_level)))
+            reader = FrameReader(FromCore)
+            info = _wait_ready(proc, from_core, reader)
+        except BaseException:
+            _stop(proc)
+            os.close(to_core)
+            os.close(from_core)
+            raise
+        logger.info("engine core process %d ready", proc.pid)
+        return cls(config, proc, to_core, from_core, reader, info, max_waiting, max_waiting_tokens)
+
+    async def start(self) -> None:
+        """Attach to the running event loop: outputs flow from here on."""
+        loop = asyncio.get_running_loop()
+        await loop.connect_read_pipe(lambda: _FromCoreProtocol(self), os.fdopen(self.from_core, "rb", buffering=0))
+        self._writer, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, os.fdopen(self.to_core, "wb", buffering=0))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core process (it exits at once; abort what is in flight first)."""
+        self._closing = True
+        if self.alive:
+            self._send(Shutdown())
+        try:
+            await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine core process %d did not stop in %.0fs: killed", self.proc.pid, timeout)
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous last resort (any thread): kill the core process if it still runs."""
+        self._closing = True
+        _stop(self.proc)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.proc.poll() is None
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> EngineCoreRequest:
+        """Validate against the engine's limits (typed errors); nothing is sent yet."""
+        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time)
+
+    def num_waiting(self) -> int:
+        """Requests the core has queued, plus those on their way to it."""
+        return self.stats.num_waiting + self._num_sent - self._num_seen
+
+    def add_request(self, req: EngineCoreRequest, sink: Sink) -> None:
+        """Send `req`; its outputs go to `sink`. Raises EngineDeadError or EngineOverloadedError (429)."""
+        if self.error is not None:
+            raise self.error
+        if self._closing:
+            raise EngineDeadError("the server is shutting down")
+        tokens_waiting = self._tokens_sent - self._tokens_seen  # an estimate: the core's own queue adds to it
+        if self.num_waiting() >= self.max_waiting or (
+            self.max_waiting_tokens is not None and tokens_waiting + len(req.prompt_token_ids) > self.max_waiting_tokens
+        ):
+            raise EngineOverloadedError(f"the server is overloaded ({self.num_waiting()} requests waiting); retry later")
+        self.sinks[req.request_id] = sink
+        self._num_sent += 1
+        self._tokens_sent += len(req.prompt_token_ids)
+        self._send(AddRequest(req))
+
+    def abort_request(self, request_id: str) -> None:
+        """The caller has gone: forget its sink and free the request's blocks in the core."""
+        if self.sinks.pop(request_id, None) is not None and self.alive:
+            self._send(AbortRequests([request_id]))
+
+    def abort_all(self) -> None:
+        """Abort everything in flight; each sink still gets its final ("abort") output."""
+        if self.sinks and self.alive:
+            self._send(AbortRequests(list(self.sinks)))
+
+    async def get_stats(self) -> EngineStats:
+        """The core's stats now (KV-store counters included), not as of the last step."""
+        if self.error is not None:
+            raise self.error
+        call_id = next(self._calls)
+        future = asyncio.get_running_loop().create_future()
+        self._stats_calls[call_id] = future
+        self._send(GetStats(call_id))
+        try:
+            return await asyncio.wait_for(future, STATS_TIMEOUT_S)
+        finally:
+            self._stats_calls.pop(call_id, None)
+
+    def _send(self, msg: object) -> None:
+        assert self._writer is not None, "EngineClient.start() has not run"
+        self._writer.write(frame(msg))
+
+    # ---- from the core (loop thread) --------------------------------------------------------
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, StepOutputs):
+            self._on_step(msg)
+        elif isinstance(msg, StatsReply):
+            future = self._stats_calls.get(msg.call_id)
+            if future is not None and not future.done():
+                future.set_result(msg.stats)
+
+    def _on_step(self, step: StepOutputs) -> None:
+        self.stats = step.stats
+        self._num_seen, self._tokens_seen = step.num_added, step.num_added_tokens
+        for rid, message in step.rejected:
+            sink = self.sinks.pop(rid, None)
+            if sink is not None:
+                sink(InvalidRequestError(message))
+        for o in step.outputs:
+            sink = self.sinks.pop(o.request_id, None) if o.finished else self.sinks.get(o.request_id)
+            if sink is not None:
+                sink(o)
+        for listener in self.step_listeners:
+            listener(step)
+
+    def _on_core_gone(self) -> None:
+        """The pipe from the core closed: at shutdown, expected; otherwise the core died."""
+        if self._closing or self.error is not None:
+            return
+        try:
+            code = self.proc.wait(1.0)  # the pipe closes as the process exits
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"exit code {code}" if code is not None and code >= 0 else f"signal {-code}" if code else "unknown cause"
+        self.error = EngineDeadError(f"the engine core process died ({how})", code="engine_dead")
+        logger.error("%s; failing %d request(s)", self.error.message, len(self.sinks))
+        sinks, self.sinks = list(self.sinks.values()), {}
+        for sink in sinks:
+            sink(self.error)
+        for future in self._stats_calls.values():
+            if not future.done():
+                future.set_exception(self.error)
+        for listener in self.death_listeners:
+            listener(self.error)
+
+
+class _FromCoreProtocol(asyncio.Protocol):
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    def data_received(self, data: bytes) -> None:
+        for msg in self.client.reader.feed(data):
+            self.client._dispatch(msg)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._on_core_gone()
+
+
+def _wait_ready(proc: subprocess.Popen, from_core: int, reader: FrameReader) -> EngineInfo:
+    """Block until the core says Ready (its EngineInfo) or StartupFailed (raised, typed)."""
+    while True:
+        got = read_available(from_core, reader, 1.0)
+        if got is None:
+            raise EngineDeadError(f"the engine core process exited during start-up (exit code {proc.wait()})")
+        for msg in got:
+            if isinstance(msg, Ready):
+                return msg.info
+            if isinstance(msg, StartupFailed):
+                cls = getattr(errors, msg.error_type, None)
+                if isinstance(cls, type) and issubclass(cls, errors.LLMServeError):
+                    raise cls(msg.message)
+                raise EngineDeadError(f"the engine failed to start: {msg.message}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

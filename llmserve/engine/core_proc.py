@@ -1,0 +1,118 @@
+"""The engine core in its own process (`python -m llmserve.engine.core_proc IN_FD OUT_FD`),
+started by EngineClient.launch. It owns the scheduler, block manager, model runner and Redis KV
+tier, and never shares an interpreter lock with the HTTP server.
+
+Loop: take in every message that has arrived (waiting only when idle) -> one engine step ->
+one StepOutputs with every request's new tokens. It exits on Shutdown, or when the server's
+pipe closes (the server died): an orphaned core never outlives its server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import sys
+
+from llmserve import errors
+from llmserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Configure,
+    FrameReader,
+    GetStats,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    StatsReply,
+    StepOutputs,
+    ToCore,
+    frame,
+    read_available,
+    write_all,
+)
+
+logger = logging.getLogger("llmserve.engine")
+IDLE_WAIT_S = 1.0  # an idle core re-checks its pipe this often (it wakes at once on a message)
+
+
+class EngineCoreProc:
+    def __init__(self, engine, in_fd: int, out_fd: int, reader: FrameReader, pending: list):
+        self.engine = engine  # LLMEngine
+        self.in_fd, self.out_fd, self.reader = in_fd, out_fd, reader
+        self.num_added = 0
+        self.num_added_tokens = 0
+        self.rejected: list[tuple[str, str]] = []
+        self.pending = pending  # messages read along with the Configure frame
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests()
+            got = read_available(self.in_fd, self.reader, 0.0 if busy or self.pending else IDLE_WAIT_S)
+            if got is None:
+                logger.info("the server has gone: engine core exits")
+                return
+            messages, self.pending = self.pending + got, []
+            for msg in messages:
+                if isinstance(msg, Shutdown):
+                    return
+                self._handle(msg)
+            if not (engine.has_unfinished_requests() or self.rejected):
+                continue
+            steps_before = engine.num_steps
+            outputs = engine.step()
+            n_new = engine.num_steps - steps_before
+            durations = [r.duration_s for r in itertools.islice(reversed(engine.step_records), n_new)][::-1]
+            self._send(StepOutputs(outputs, engine.get_stats(), durations, self.num_added, self.num_added_tokens, self.rejected))
+            self.rejected = []
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, AddRequest):
+            self.num_added += 1
+            self.num_added_tokens += len(msg.request.prompt_token_ids)
+            try:
+                self.engine.add(msg.request)
+            except errors.LLMServeError as e:  # the server checked it already: never expected
+                self.rejected.append((msg.request.request_id, e.message))
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.engine.abort_request(rid)
+        elif isinstance(msg, GetStats):
+            self._send(StatsReply(msg.call_id, self.engine.get_stats()))
+
+    def _send(self, msg: object) -> None:
+        write_all(self.out_fd, frame(msg))
+
+
+def main(argv: list[str]) -> int:
+    in_fd, out_fd = int(argv[0]), int(argv[1])
+    # Ctrl-C in a terminal reaches the whole process group: the server drains, then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    reader = FrameReader(ToCore)
+    first = read_available(in_fd, reader, None)
+    if not first or not isinstance(first[0], Configure):
+        return 1
+    configure: Configure = first[0]
+    logging.basicConfig(level=configure.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from llmserve.engine.engine_core import LLMEngine
+
+        engine = LLMEngine(configure.config)
+    except errors.LLMServeError as e:
+        write_all(out_fd, frame(StartupFailed(type(e).__name__, e.message)))
+        return 2
+    except Exception as e:
+        logger.exception("engine start-up failed")
+        write_all(out_fd, frame(StartupFailed("internal", f"{type(e).__name__}: {e}")))
+        return 1
+    write_all(out_fd, frame(Ready(engine.info)))
+    try:
+        EngineCoreProc(engine, in_fd, out_fd, reader, first[1:]).run()
+    except BrokenPipeError:
+        logger.info("the server has gone: engine core exits")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,121 @@
+"""Messages between the server process and the engine-core process, and their framing.
+
+Wire: each message is one frame, `u32 little-endian length | msgpack body` (msgspec, typed
+decoding: never pickle). Over one pipe each way:
+
+  server -> core   Configure (the first frame), then AddRequest | AbortRequests | GetStats | Shutdown
+  core -> server   Ready | StartupFailed (once), then StepOutputs (one per engine step: every
+                   request's new tokens) | StatsReply
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import struct
+
+import msgspec
+
+from llmserve.config import EngineConfig
+from llmserve.engine.admission import EngineCoreRequest, EngineInfo
+from llmserve.engine.outputs import EngineStats, RequestOutput
+
+HEADER = struct.Struct("<I")
+MAX_FRAME = 1 << 30
+
+
+class Configure(msgspec.Struct, tag="config", array_like=True):
+    config: EngineConfig
+    log_level: str
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class GetStats(msgspec.Struct, tag="stats", array_like=True):
+    call_id: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class StartupFailed(msgspec.Struct, tag="failed", array_like=True):
+    error_type: str  # an llmserve.errors class name, or "internal"
+    message: str
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[RequestOutput]
+    stats: EngineStats  # after the step
+    step_durations: list[float]  # seconds, of each engine step since the last StepOutputs
+    num_added: int  # AddRequests the core has taken in, since it started (for the 429 count)
+    num_added_tokens: int  # their prompt tokens
+    rejected: list[tuple[str, str]]  # (request_id, message): refused by the core (never expected)
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True):
+    call_id: int
+    stats: EngineStats
+
+
+ToCore = Configure | AddRequest | AbortRequests | GetStats | Shutdown
+FromCore = Ready | StartupFailed | StepOutputs | StatsReply
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def frame(msg: object) -> bytes:
+    body = _encoder.encode(msg)
+    return HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into frames and decodes each as `type`."""
+
+    def __init__(self, type_: object):
+        self.decoder = msgspec.msgpack.Decoder(type_)
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self.buffer += data
+        messages = []
+        while len(self.buffer) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buffer)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes")
+            if len(self.buffer) < HEADER.size + n:
+                break
+            messages.append(self.decoder.decode(memoryview(self.buffer)[HEADER.size : HEADER.size + n]))
+            del self.buffer[: HEADER.size + n]
+        return messages
+
+
+def read_available(fd: int, reader: FrameReader, timeout: float | None) -> list | None:
+    """Messages that arrive on a blocking fd within `timeout` seconds (None: wait for one);
+    None at end of file (the other side has gone)."""
+    while True:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            return []
+        data = os.read(fd, 1 << 20)
+        if not data:
+            return None
+        messages = reader.feed(data)
+        if messages or timeout is not None:
+            return messages
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -1,0 +1,110 @@
+"""The engine core in its own process: the server reaches it only through the door
+(llmserve.engine.client), and the core's death fails every request cleanly, turns /health 503 and
+makes the server exit non-zero."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_harness import server_process, sse_data, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+DOOR = {"llmserve.engine.client", "llmserve.engine.outputs"}  # what server/ may import of the engine
+ENGINE_INTERNALS = ("engine_core", "scheduler", "block_manager", "model_runner", "sampler", "detokenizer", "request", "llm")
+
+
+def _engine_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names if node.module == "llmserve.engine"}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n for n in names if n.startswith("llmserve.engine")}
+
+
+def test_server_reaches_the_engine_only_through_the_door():
+    files = sorted((ROOT / "llmserve" / "server").glob("*.py"))
+    assert files
+    used = {f.name: _engine_imports(f) for f in files}
+    assert {f: m - DOOR for f, m in used.items() if m - DOOR} == {}
+    assert any(used.values())  # the check sees the imports it polices
+    # and at run time: the whole server loads none of the engine's internals, nor the model
+    code = "import sys, llmserve.server.app, llmserve.cli; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    assert "llmserve.engine.client" in loaded
+    internals = [m for m in loaded if m.startswith("llmserve.model") or m in {f"llmserve.engine.{n}" for n in ENGINE_INTERNALS}]
+    assert internals == []
+
+
+def test_sigkill_of_the_core_ends_every_request_and_the_server_exits_nonzero(tiny_model, tmp_path):
+    long = {"max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    requests = [
+        ("/v1/completions", {"prompt": "Hello there", "stream": True, **long}),
+        ("/v1/completions", {"prompt": "The river town", "stream": True, **long}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, **long}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "yo"}], "stream": True, **long}),
+        ("/generate", {"prompt": "Hello", "stream": True, **long}),
+        ("/generate", {"prompt": "Good day", "stream": True, **long}),
+        ("/v1/completions", {"prompt": "Not streamed", "stream": False, **long}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "whole"}], **long}),
+    ]
+    with server_process(tiny_model, tmp_path / "server.log", "--max-num-seqs", "8") as server:
+        core = server.core_pid()
+        results: list = [None] * len(requests)
+        ended_at = [0.0] * len(requests)
+        first_data = threading.Barrier(sum(b["stream"] for _, b in requests if b.get("stream")) + 1, timeout=60)
+
+        def run(i: int, path: str, body: dict) -> None:
+            try:
+                if body.get("stream"):
+                    with httpx.stream("POST", server.url + path, json=body, timeout=30) as r:
+                        lines = r.iter_lines()
+                        first = next(line for line in lines if line.startswith("data:"))
+                        first_data.wait()
+                        results[i] = [first[5:].strip(), *sse_data(lines)]
+                else:
+                    r = httpx.post(server.url + path, json=body, timeout=30)
+                    results[i] = (r.status_code, r.json())
+            except BaseException as e:  # noqa: BLE001 - reported by the asserts below
+                results[i] = e
+            ended_at[i] = time.monotonic()
+
+        threads = [threading.Thread(target=run, args=(i, p, b)) for i, (p, b) in enumerate(requests)]
+        for t in threads:
+            t.start()
+        first_data.wait()
+        wait_for(lambda: httpx.get(server.url + "/stats", timeout=10).json()["engine"]["num_running"] == len(requests),
+                 30, "not every request reached the engine")
+        os.kill(core, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(10)
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+
+        for (path, body), got, end in zip(requests, results, ended_at, strict=True):
+            assert end - killed_at < 5, (path, got)
+            if body.get("stream"):
+                assert isinstance(got, list), (path, got)
+                if path != "/generate":
+                    assert got[-1] == "[DONE]"
+                    got = got[:-1]
+                error = json.loads(got[-1])["error"]
+            else:
+                assert isinstance(got, tuple) and got[0] == 503, (path, got)
+                error = got[1]["error"]
+            assert error["type"] == "service_unavailable" and "engine core process died" in error["message"], error
+        assert server.proc.wait(15) != 0
