@@ -190,6 +190,8 @@ def test_redis_down_at_start_up_never_fails_a_request(tiny_model, tmp_path):
         body = {"prompt": "Early bird", "max_tokens": 6, "temperature": 0}
         texts = {post(s.url, "/v1/completions", body).json()["choices"][0]["text"] for _ in range(3)}
         assert len(texts) == 1 and s.ctx.response_cache_stats.errors >= 1 and s.ctx.response_cache_stats.hits == 0
+        metrics = httpx.get(s.url + "/metrics", timeout=10).text
+        assert f'llmserve:cache_errors_total{{cache="response"}} {float(s.ctx.response_cache_stats.errors)}' in metrics
         later.start()
         try:
             hit_within(s.url, body, 15)

@@ -55,6 +55,18 @@ def test_metrics_move_by_exactly_what_was_sent(server):
     assert after[("llmserve:num_requests_running", ())] == 0 and after[("llmserve:num_requests_waiting", ())] == 0
 
 
+def test_response_cache_hits_and_misses_reach_metrics(server):
+    before = scrape(server.url)
+    body = {"prompt": "Cache me twice", "max_tokens": 4, "temperature": 0}
+    replies = [httpx.post(server.url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+    assert [r.headers["x-llmserve-cache"] for r in replies] == ["miss", "hit"]
+    after = scrape(server.url)
+    for name, moved in (("response_cache_hits_total", 1), ("response_cache_misses_total", 1)):
+        assert after[(f"llmserve:{name}", ())] - before[(f"llmserve:{name}", ())] == moved, name
+    errors = ("llmserve:cache_errors_total", (("cache", "response"),))
+    assert after[errors] == before[errors]
+
+
 def test_native_timings_within_client_measurements(server):
     body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
     start = time.perf_counter()
