@@ -41,28 +41,9 @@ def run_profile(args: argparse.Namespace) -> int:
     def prompt() -> list[int]:
         return [rng.randrange(vocab) for _ in range(args.input_len)]
 
-    for i in range(args.num_warmups):
-        engine.add_request(f"warmup-{i}", prompt(), params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.step_records.clear()
-
+    warmup(engine, [prompt() for _ in range(args.num_warmups)], params)
     gaps = [0.0 if args.request_rate == float("inf") else rng.expovariate(args.request_rate) for _ in range(args.num_prompts)]
-    prompts = [prompt() for _ in range(args.num_prompts)]
-    requests = []
-    t_start = time.time()
-    due = t_start
-    for i, (gap, ids) in enumerate(zip(gaps, prompts, strict=True)):  # arrivals interleaved with steps
-        due += gap
-        while time.time() < due:
-            if engine.has_unfinished_requests():
-                engine.step()
-            else:
-                time.sleep(min(due - time.time(), 0.05))
-        requests.append(engine.add_request(f"req-{i}", ids, params))
-    while engine.has_unfinished_requests():
-        engine.step()
-    elapsed = time.time() - t_start
+    requests, elapsed = run_workload(engine, [prompt() for _ in range(args.num_prompts)], params, gaps)
 
     steps = list(engine.step_records)
     print(_report(steps, requests, elapsed))
@@ -70,6 +51,34 @@ def run_profile(args: argparse.Namespace) -> int:
         write_trace(args.trace, steps, requests)
         print(f"trace: {args.trace} ({len(steps)} steps, {len(requests)} requests); open it in https://ui.perfetto.dev")
     return 0
+
+
+def warmup(engine, prompts: list[list[int]], params) -> None:
+    """Run `prompts` to the end, then forget their step records."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"warmup-{i}", ids, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step_records.clear()
+
+
+def run_workload(engine, prompts: list[list[int]], params, gaps: list[float] | None = None) -> tuple[list, float]:
+    """Add prompts `gaps` seconds apart (default: all at once), interleaved with engine steps,
+    and step until all finish: (the engine's Requests, seconds from the first add to the end)."""
+    requests = []
+    t_start = time.time()
+    due = t_start
+    for i, (gap, ids) in enumerate(zip(gaps or [0.0] * len(prompts), prompts, strict=True)):
+        due += gap
+        while time.time() < due:
+            if engine.has_unfinished_requests():
+                engine.step()
+            else:
+                time.sleep(min(due - time.time(), 0.05))
+        requests.append(engine.add_request(f"req-{engine.num_steps}-{i}", ids, params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return requests, time.time() - t_start
 
 
 def _row(name: str, seconds: list[float]) -> list[object]:

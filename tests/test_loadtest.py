@@ -82,7 +82,7 @@ def test_failures_are_counted_not_raised(tmp_path):
                "--input-len", "4", "--output-len", "2", "--timeout", "5", "--disable-tqdm", "--json", str(out)])
     s = json.loads(out.read_text())["summary"]
     assert rc == 1 and (s["successes"], s["failures"]) == (0, 3)
-    assert s["ttft_ms"]["p50"] is None and "ConnectError" in next(iter(s["errors"]))
+    assert s["ttft_ms"]["p50"] is None and "Cannot connect" in next(iter(s["errors"]))
 
 
 def _rec(i: int, ttft: float, latency: float, n_out: int, ok: bool = True) -> RequestRecord:

@@ -3,12 +3,10 @@ server healthy. The server requires an API key here, so auth is checked on every
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
-from server_harness import live_server, sse_data
+from server_harness import live_server
 
 pytestmark = pytest.mark.timeout(120)
 

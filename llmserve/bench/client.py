@@ -5,15 +5,19 @@ delta "content") or a finish_reason; a role-only or empty chunk is not a token (
 the role before prefill). TTFT = first token chunk - send; ITL = gaps between token chunks;
 latency (E2EL) = last token chunk - send. Output tokens come from the usage chunk
 (stream_options.include_usage).
+
+The client is aiohttp (C-accelerated HTTP parsing) and chunks are decoded with msgspec: on a
+machine that the server shares with the load generator, the generator's own CPU time per chunk
+slows the server it measures.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 
-import httpx
+import aiohttp
+import msgspec
 
 from llmserve.bench.datasets import SampleRequest
 
@@ -47,6 +51,8 @@ def request_body(endpoint: str, model: str | None, sample: SampleRequest, temper
     if model is not None:
         body["model"] = model
     if endpoint.endswith("/chat/completions"):
+        if not isinstance(sample.prompt, str):
+            raise ValueError("token-id prompts go to /v1/completions, not chat")
         body["messages"] = [{"role": "user", "content": sample.prompt}]
         body["max_completion_tokens"] = sample.max_tokens
     else:
@@ -56,46 +62,59 @@ def request_body(endpoint: str, model: str | None, sample: SampleRequest, temper
     return body
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, t0: float) -> None:
+_json_decode = msgspec.json.decode
+_json_encode = msgspec.json.encode
+
+
+async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, rec: RequestRecord, t0: float) -> None:
     """Fill `rec` as the stream arrives (a cancelled call leaves what it saw); raises on transport errors."""
     st = time.perf_counter()
     rec.start_s = st - t0
-    last = st
-    async with client.stream("POST", url, json=body) as resp:
-        rec.status = resp.status_code
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+    async with session.post(url, data=_json_encode(body), headers={"Content-Type": "application/json"}) as resp:
+        rec.status = resp.status
+        if resp.status != 200:
+            text = (await resp.read()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status}: {text[:300]}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, SSE comments (pings), event names
-            data = line[5:].strip()
-            if data == "[DONE]":
-                rec.done = True
-                break
+        buffer = b""
+        last = st
+        async for data in resp.content.iter_any():
             now = time.perf_counter()
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                rec.error = f"bad chunk: {data[:200]}"
-                return
-            if "error" in obj:
-                rec.error = f"error event: {json.dumps(obj['error'])[:300]}"
-                return
-            if obj.get("usage"):
-                rec.prompt_tokens = obj["usage"].get("prompt_tokens")
-                rec.output_tokens = obj["usage"].get("completion_tokens")
-            if not _is_token_chunk(obj):
-                continue
-            if rec.ttft_s is None:
-                rec.ttft_s = now - st
-            else:
-                rec.itl_s.append(now - last)
-            last = now
-            rec.chunk_times_s.append(now - t0)
-            rec.latency_s = now - st
-            rec.finish_reason = obj["choices"][0].get("finish_reason") or rec.finish_reason
+            *lines, buffer = (buffer + data).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, SSE comments (pings), event names
+                last = _on_data(line[5:].strip(), rec, st, last, now, t0)
+                if rec.done or rec.error:
+                    return
+
+
+def _on_data(data: bytes, rec: RequestRecord, st: float, last: float, now: float, t0: float) -> float:
+    """One `data:` payload; returns the time of the last token chunk."""
+    if data == b"[DONE]":
+        rec.done = True
+        return last
+    try:
+        obj = _json_decode(data)
+    except msgspec.DecodeError:
+        rec.error = f"bad chunk: {data[:200].decode(errors='replace')}"
+        return last
+    if "error" in obj:
+        rec.error = f"error event: {_json_encode(obj['error']).decode()[:300]}"
+        return last
+    if obj.get("usage"):
+        rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+        rec.output_tokens = obj["usage"].get("completion_tokens")
+    if not _is_token_chunk(obj):
+        return last
+    if rec.ttft_s is None:
+        rec.ttft_s = now - st
+    else:
+        rec.itl_s.append(now - last)
+    rec.chunk_times_s.append(now - t0)
+    rec.latency_s = now - st
+    rec.finish_reason = obj["choices"][0].get("finish_reason") or rec.finish_reason
+    return now
 
 
 def _is_token_chunk(obj: dict) -> bool:

@@ -28,7 +28,7 @@ WORDS = (
 
 @dataclass(slots=True)
 class SampleRequest:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (/v1/completions only: exact prompt lengths)
     max_tokens: int
 
 

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -32,7 +32,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.dataset, args.num_prompts + args.num_warmups, args.input_len, args.output_len, args.range_ratio,
         args.seed, args.prefix_len, args.num_prefixes, args.dataset_path,
     )
-    records, duration, model = asyncio.run(_run(args, samples[args.num_warmups:], samples[: args.num_warmups]))
+    records, duration, model = asyncio.run(run_load(args, samples[args.num_warmups:], samples[: args.num_warmups]))
     summary = summarize(records, duration, slos)
     print(format_summary(summary))
     if args.json:
@@ -51,17 +51,17 @@ def _jsonable(x: object) -> object:
     return None if isinstance(x, float) and not math.isfinite(x) else str(x)
 
 
-async def _run(
+async def run_load(
     args: argparse.Namespace, samples: list[SampleRequest], warmups: list[SampleRequest]
 ) -> tuple[list[RequestRecord], float, str | None]:
     """(one record per sample, seconds from the first send to the last answer, model name sent)."""
     base = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     conns = args.max_concurrency or max(len(samples), len(warmups), 1)
-    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-    timeout = httpx.Timeout(args.timeout, pool=None)  # the pool wait is bounded by the total timeout below
+    connector = aiohttp.TCPConnector(limit=conns)
+    timeout = aiohttp.ClientTimeout(total=None)  # each request is bounded by --timeout below
     deadline = time.monotonic() + args.max_duration
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as client:
         model = args.model or await _first_model(client, base)
         url = base + args.endpoint
         sem = asyncio.Semaphore(args.max_concurrency or len(samples) + len(warmups) or 1)
@@ -122,11 +122,11 @@ async def _gather_until(coros_or_tasks: list, deadline: float) -> None:
     await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def _first_model(client: httpx.AsyncClient, base: str) -> str | None:
+async def _first_model(client: aiohttp.ClientSession, base: str) -> str | None:
     """The first model id of GET /v1/models; None (send no model) when the server does not say."""
     try:
-        resp = await client.get(base + "/v1/models", timeout=10.0)
-        data = resp.json().get("data") or []
-        return data[0]["id"] if resp.status_code == 200 and data else None
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        async with client.get(base + "/v1/models", timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+            data = (await resp.json(content_type=None)).get("data") or []
+            return data[0]["id"] if resp.status == 200 and data else None
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
         return None
