@@ -28,6 +28,7 @@ from collections.abc import Callable
 from llmserve import errors
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
+from llmserve.engine.cpu_runtime import openmp_env
 from llmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -85,7 +86,7 @@ class EngineClient:
         from_core, core_out = os.pipe()
         proc = subprocess.Popen(
             [sys.executable, "-m", "llmserve.engine.core_proc", str(core_in), str(core_out)],
-            pass_fds=(core_in, core_out), stdin=subprocess.DEVNULL,
+            pass_fds=(core_in, core_out), stdin=subprocess.DEVNULL, env=openmp_env(dict(os.environ)),
         )
         os.close(core_in)
         os.close(core_out)
