@@ -53,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="turns each side takes at each workload")
     p.add_argument("--serve-args", default="", help="extra `llmserve serve` flags, e.g. '--compile inductor'")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in the server's environment only (repeatable), e.g. PYTHONPATH=../other-checkout")
     p.add_argument("--only", choices=("engine", "http"), default=None, help="run one side only (no ratios)")
     p.add_argument("--json", default=None, metavar="OUT.json")
     return p.parse_args()
@@ -105,6 +107,7 @@ class OverHTTP:
         cmd += ["--model", args.model] if args.model else []
         cmd += ["--num-threads", str(args.num_threads)] if args.num_threads else []
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_")}
+        env.update(item.split("=", 1) for item in args.server_env)
         self.server = subprocess.Popen(cmd, env=env)
         try:
             _wait_healthy(self.url, self.server)
