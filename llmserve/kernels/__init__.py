@@ -2,7 +2,7 @@
 
 The C++ sources live next to this file. `load()` builds them with the system C++ compiler
 against the installed torch (-O3 -march=native), caches the shared library under
-$LLMSERVE_KERNEL_CACHE (default ~/.cache/llmserve/kernels) keyed by a hash of the sources, torch
+$LLMSERVE_KERNEL_CACHE (default: llmserve.paths.cache_dir("kernels"), ~/.cache/llmserve/kernels) keyed by a hash of the sources, torch
 version, compiler flags and this CPU's feature flags, and loads it. Concurrent processes build
 under a file lock. Where no compiler is available the engine falls back to pure-torch attention
 and says so once in the log; LLMSERVE_KERNELS=0 forces that fallback.
@@ -20,6 +20,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
@@ -63,7 +65,7 @@ def _library_path() -> Path:
         h.update(src.read_bytes())
     h.update(" ".join((torch.__version__, str(torch.version.git_version), *FLAGS, _cpu_flags())).encode())
     h.update(_compiler_version(_compiler()).encode())
-    root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "llmserve" / "kernels")
+    root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or cache_dir("kernels"))
     return root / f"llmserve_kernels-{h.hexdigest()[:16]}.so"
 
 

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from llmserve.errors import LLMServeError
 from llmserve.model.attention import AttentionMetadata
+from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.compile")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-CACHE_DIR = Path(__file__).resolve().parents[2] / "models" / ".inductor-cache"
 
 
 class CompileUnavailableError(LLMServeError):
@@ -55,8 +54,9 @@ class DecodeGraphs:
 
         import torch._inductor.config as inductor_config
 
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+        inductor_cache = cache_dir("inductor")
+        inductor_cache.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
         inductor_config.fx_graph_cache = True  # a second start reuses compiled graphs
         # one graph per bucket (a static and a dynamic-width one each), for every dtype in the
         # process: more than dynamo's default of 8 per function
