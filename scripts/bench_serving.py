@@ -6,7 +6,6 @@ generating exactly --output-len greedy tokens (EOS ignored), all sent at once; t
 - In process: LLMEngine stepped directly (the loop of `llmserve profile`).
 - Over HTTP: `llmserve serve --no-response-cache` (the engine core in its own process), driven by
   the project's load tester (streaming /v1/completions with token-id prompts).
-The in-process engine gets the core process's OpenMP settings (engine/cpu_runtime.py).
 Both stay up for the whole run and take turns, --rounds times, on fresh prompts each round (the
 machine is shared and noisy: alternating spreads its moods over both sides); each figure is the
 median over the rounds.
@@ -34,7 +33,6 @@ from llmserve.bench.datasets import SampleRequest
 from llmserve.bench.report import summarize
 from llmserve.bench.serve import run_load
 from llmserve.config import EngineConfig, from_sources
-from llmserve.engine.cpu_runtime import openmp_env
 from llmserve.profile_cmd import run_workload, warmup
 from llmserve.profiling import LatencyStats, timings_of
 from llmserve.sampling import SamplingParams
@@ -176,7 +174,6 @@ def report(engine: dict, http: dict) -> str:
 
 def main() -> int:
     args = parse_args()
-    os.environ.update(openmp_env(dict(os.environ)))  # as the core process runs; before torch loads
     vocab = _vocab_size(args.model)
     rng = random.Random(args.seed)
 

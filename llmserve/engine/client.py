@@ -28,7 +28,6 @@ from collections.abc import Callable
 from llmserve import errors
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
-from llmserve.engine.cpu_runtime import openmp_env
 from llmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -86,7 +85,7 @@ class EngineClient:
         from_core, core_out = os.pipe()
         proc = subprocess.Popen(
             [sys.executable, "-m", "llmserve.engine.core_proc", str(core_in), str(core_out)],
-            pass_fds=(core_in, core_out), stdin=subprocess.DEVNULL, env=openmp_env(dict(os.environ)),
+            pass_fds=(core_in, core_out), stdin=subprocess.DEVNULL,
         )
         os.close(core_in)
         os.close(core_out)

@@ -1,12 +1,5 @@
 """Process-wide CPU runtime settings for the engine's hot loop.
 
-OpenMP (torch's libgomp): between parallel regions an idle worker thread spins before it
-sleeps, 300,000 rounds by default. In `llmserve serve` the HTTP server shares the cores with
-those threads; a shorter spin (OMP_SPINCOUNT) hands a core to the server sooner, and costs
-the engine alone nothing measurable (scripts/bench_serving.py: 0.88 -> 0.99 of the in-process
-throughput over HTTP at 32 streams). libgomp reads it once, at load: `openmp_env` sets it for
-a process about to start (the engine core); a user's own GOMP_SPINCOUNT wins.
-
 Every decode step allocates tens of MB of short-lived tensors (gathered K/V, activations). By
 default glibc serves buffers above its mmap threshold with fresh mmap()s and unmaps them on
 free, so every step pays page faults on all of them. Raising the mmap and trim thresholds keeps
@@ -24,12 +17,6 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's upper limit on 64-bit
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
-OMP_SPINCOUNT = 100_000
-
-
-def openmp_env(env: dict[str, str]) -> dict[str, str]:
-    """`env` with the engine's OpenMP settings added where it has none of its own."""
-    return {"GOMP_SPINCOUNT": str(OMP_SPINCOUNT), **env}
 
 
 def keep_large_allocations() -> bool:
