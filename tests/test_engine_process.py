@@ -5,6 +5,7 @@ makes the server exit non-zero."""
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import json
 import os
 import signal
@@ -16,7 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import server_process, sse_data, wait_for
+from server_harness import live_server, server_process, sse_data, wait_for
+
+from llmserve.engine.client import EngineCoreRequest
+from llmserve.errors import InvalidRequestError
+from llmserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,3 +113,20 @@ def test_sigkill_of_the_core_ends_every_request_and_the_server_exits_nonzero(tin
                 error = got[1]["error"]
             assert error["type"] == "service_unavailable" and "engine core process died" in error["message"], error
         assert server.proc.wait(15) != 0
+
+
+def test_an_unreadable_request_is_refused_and_the_core_carries_on(tiny_model):
+    """A message the core cannot decode (a server-side bug) fails that one request, not the core."""
+    with live_server(tiny_model) as s:
+        got: concurrent.futures.Future = concurrent.futures.Future()
+
+        def add() -> None:  # on the server's loop, as the routes call it
+            bad = EngineCoreRequest("bad-0", ["not a token id"], SamplingParams(max_tokens=4), 4, time.time())  # type: ignore[list-item]
+            s.ctx.client.add_request(bad, got.set_result)
+
+        s.ctx.loop.call_soon_threadsafe(add)
+        err = got.result(timeout=10)
+        assert isinstance(err, InvalidRequestError) and "could not read the request" in err.message
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert s.ctx.client.alive and s.ctx.client.num_waiting() == 0 and not s.ctx.client.sinks

@@ -31,6 +31,7 @@ from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_r
 from llmserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    BadFrame,
     Configure,
     FrameReader,
     FromCore,
@@ -185,6 +186,9 @@ class EngineClient:
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, StepOutputs):
             self._on_step(msg)
+        elif isinstance(msg, BadFrame):  # outputs lost: end everything cleanly rather than hang
+            logger.error("unreadable message from the engine core (%s): stopping it", msg.error)
+            self.proc.kill()
         elif isinstance(msg, StatsReply):
             future = self._stats_calls.get(msg.call_id)
             if future is not None and not future.done():

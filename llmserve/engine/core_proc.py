@@ -18,6 +18,7 @@ from llmserve import errors
 from llmserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    BadFrame,
     Configure,
     FrameReader,
     GetStats,
@@ -80,6 +81,13 @@ class EngineCoreProc:
                 self.engine.abort_request(rid)
         elif isinstance(msg, GetStats):
             self._send(StatsReply(msg.call_id, self.engine.get_stats()))
+        elif isinstance(msg, BadFrame):  # a bug on the server side: refuse that request, carry on
+            logger.error("engine core: unreadable message (%s)", msg.error)
+            added = msg.added_request()
+            if added is not None:
+                self.num_added += 1  # the client counted it as sent
+                self.num_added_tokens += added[1]
+                self.rejected.append((added[0], f"the engine could not read the request: {msg.error}"))
 
     def _send(self, msg: object) -> None:
         write_all(self.out_fd, frame(msg))

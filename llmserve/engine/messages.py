@@ -79,8 +79,26 @@ def frame(msg: object) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+class BadFrame(msgspec.Struct):
+    """A frame that did not decode as its reader's type (its raw body and why)."""
+
+    body: bytes
+    error: str
+
+    def added_request(self) -> tuple[str, int] | None:
+        """(request id, prompt tokens) of an AddRequest frame, when its body is readable at all."""
+        try:
+            tag, fields = msgspec.msgpack.decode(self.body)
+            if tag == "add":
+                return str(fields["request_id"]), len(fields["prompt_token_ids"])
+        except (msgspec.DecodeError, ValueError, TypeError, KeyError):
+            pass
+        return None
+
+
 class FrameReader:
-    """Splits a byte stream into frames and decodes each as `type`."""
+    """Splits a byte stream into frames and decodes each as `type`; a frame that does not
+    decode becomes a BadFrame, never an exception that would end the reader."""
 
     def __init__(self, type_: object):
         self.decoder = msgspec.msgpack.Decoder(type_)
@@ -95,8 +113,12 @@ class FrameReader:
                 raise ValueError(f"frame of {n} bytes")
             if len(self.buffer) < HEADER.size + n:
                 break
-            messages.append(self.decoder.decode(memoryview(self.buffer)[HEADER.size : HEADER.size + n]))
+            body = bytes(self.buffer[HEADER.size : HEADER.size + n])
             del self.buffer[: HEADER.size + n]
+            try:
+                messages.append(self.decoder.decode(body))
+            except msgspec.DecodeError as e:  # ValidationError included
+                messages.append(BadFrame(body, str(e)))
         return messages
 
 
