@@ -66,7 +66,6 @@ class EngineClient:
         self.sinks: dict[str, Sink] = {}  # in flight: request_id -> where its outputs go
         self.stats = EngineStats(0, 0, info.num_kv_blocks, info.num_kv_blocks, 0, 0.0, 0, 0, 0, 0)
         self.step_listeners: list[Callable[[StepOutputs], None]] = []  # run on the loop, per step
-        self.death_listeners: list[Callable[[EngineDeadError], None]] = []
         self.error: EngineDeadError | None = None
         self._num_sent = self._tokens_sent = 0  # AddRequests written
         self._num_seen = self._tokens_seen = 0  # ... and taken in by the core, as of the last step
@@ -225,8 +224,6 @@ class EngineClient:
         for future in self._stats_calls.values():
             if not future.done():
                 future.set_exception(self.error)
-        for listener in self.death_listeners:
-            listener(self.error)
 
 
 class _FromCoreProtocol(asyncio.Protocol):
