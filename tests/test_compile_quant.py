@@ -24,7 +24,10 @@ def test_inductor_matches_eager(tiny_model):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     compiled = LLM(tiny_model, compile="inductor", max_num_seqs=8)
     eager = LLM(tiny_model, max_num_seqs=8)
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert [o.token_ids for o in compiled.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
+    # start-up compiled every bucket the engine then used: serving compiled nothing more
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
     assert any(r.num_prefill_tokens == 0 for r in compiled.engine.step_records)  # decode-only steps ran compiled
 
     # logits of one padded decode bucket (3 rows -> bucket 4) equal eager within 1e-4

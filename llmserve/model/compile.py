@@ -92,9 +92,12 @@ class DecodeGraphs:
     def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
         from tqdm import tqdm
 
-        for b in tqdm(self.buckets, desc="compiling decode buckets", unit="graph"):
-            for width in (1, 2):  # the second width makes the block-table dimension dynamic
-                tables = torch.zeros(b, width, dtype=torch.long)
-                meta = AttentionMetadata(torch.zeros(b, dtype=torch.long), b, tables, torch.ones(b, dtype=torch.long), [])
-                with torch.inference_mode():
+        # inputs made in inference mode, as ModelRunner.execute makes them: a graph compiled for
+        # ordinary tensors fails dynamo's dispatch-key guard on inference tensors and is compiled
+        # again at the first real step of each bucket
+        with torch.inference_mode():
+            for b in tqdm(self.buckets, desc="compiling decode buckets", unit="graph"):
+                for width in (1, 2):  # the second width makes the block-table dimension dynamic
+                    tables = torch.zeros(b, width, dtype=torch.long)
+                    meta = AttentionMetadata(torch.zeros(b, dtype=torch.long), b, tables, torch.ones(b, dtype=torch.long), [])
                     self(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), kv_caches, meta)
