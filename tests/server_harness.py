@@ -71,11 +71,6 @@ def offline_llm(model_dir: str) -> Iterator[LLM]:
 @contextlib.contextmanager
 def live_server(model_dir: str, **options) -> Iterator[LiveServer]:
     """options: any EngineConfig or ServerConfig field (e.g. max_num_seqs=2, max_waiting=2)."""
-    with torch_threads_restored():
-        yield from _serve(model_dir, options)
-
-
-def _serve(model_dir: str, options: dict) -> Iterator[LiveServer]:
     engine_opts = {"num_threads": 1, **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
     server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
     server_config = from_sources(ServerConfig, env={}, **server_opts)

@@ -28,7 +28,6 @@ __all__ = ["CACHE_HEADER", "GenerationStream", "dumps", "json_response", "unless
 
 
 _json = msgspec.json.Encoder()
-DONE = b"data: [DONE]\n\n"
 
 
 def dumps(obj: Any) -> bytes:
@@ -57,16 +56,20 @@ class GenerationStream(EventSourceResponse):
             self.generation.close()
 
 
+def _event(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
 async def _guard(events: AsyncIterator[bytes], done_marker: bool) -> AsyncIterator[bytes]:
     """JSON payloads -> SSE events. An error after the headers went out becomes an error event;
     OpenAI streams end with [DONE]."""
     try:
         async for data in events:
-            yield b"data: " + data + b"\n\n"
+            yield _event(data)
     except LLMServeError as e:
-        yield b"data: " + dumps(error_body(e)) + b"\n\n"
+        yield _event(dumps(error_body(e)))
     if done_marker:
-        yield DONE
+        yield _event(b"[DONE]")
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
