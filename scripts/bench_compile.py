@@ -1,17 +1,23 @@
-"""Decode tokens/s per execution mode, side by side in one process, plus compiled start-up time.
+"""Tokens/s per execution mode, side by side in one process, plus compiled start-up time.
 
-Modes: eager fp32, inductor fp32, eager bf16, inductor bf16, int8 (weight-only, bf16 activations).
-Each mode runs decode-only steps of the model at batch 1, 8 and 32 (context --context tokens)
-through the same path the engine uses (ModelRunner.forward: compiled bucket or eager), then the
-LM head and argmax. Start-up: a fresh process compiles the decode buckets with an empty inductor
-cache (cold), then again with that cache (warm).
-Usage: python scripts/bench_compile.py [--model DIR] [--batches 1,8,32] [--steps 30]
+Modes: eager and inductor in float32 and bfloat16, and int8 (weight-only, eager). Every mode runs
+through the engine's own path (ModelRunner.setup_execution, then ModelRunner.forward: the compiled
+decode graph or eager) and ends with the LM head and argmax:
+- decode steps at batch 1, 8 and 32, every sequence at --context tokens;
+- one fresh 512-token prefill chunk (--prefill).
+All modes are loaded first, then measured in --rounds interleaved rounds, so a noisy neighbour
+slows every mode alike; a cell is the median over rounds, and `vs eager` is the median of the
+per-round ratios against the eager mode of the same dtype.
+Start-up: fresh processes compile the bfloat16 decode graph with an empty inductor cache (cold),
+then again with that cache (warm); each prints the seconds setup_execution took.
+Usage: python scripts/bench_compile.py [--model DIR] [--batches 1,8,32] [--rounds 5] [--modes ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,44 +26,76 @@ import time
 import torch
 
 from llmserve.engine.model_runner import ModelInput, ModelRunner
-from llmserve.model.attention import AttentionMetadata
+from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.resolve import resolve_model
 
 MODES = {  # name: (dtype, compile, quantize)
-    "eager fp32": (torch.float32, False, None),
-    "inductor fp32": (torch.float32, True, None),
-    "eager bf16": (torch.bfloat16, False, None),
-    "inductor bf16": (torch.bfloat16, True, None),
-    "int8": (torch.float32, False, "int8"),
+    "eager fp32": (torch.float32, "none", None),
+    "inductor fp32": (torch.float32, "inductor", None),
+    "eager bf16": (torch.bfloat16, "none", None),
+    "inductor bf16": (torch.bfloat16, "inductor", None),
+    "int8": (torch.float32, "none", "int8"),
 }
+BLOCK = 16
 
 
-def decode_input(batch: int, context: int, block_size: int) -> ModelInput:
-    per_seq = -(-(context + 1) // block_size)
+def decode_input(batch: int, context: int) -> ModelInput:
+    per_seq = -(-(context + 1) // BLOCK)
     tables = torch.arange(1, batch * per_seq + 1).reshape(batch, per_seq)
-    slots = tables[:, context // block_size] * block_size + context % block_size
+    slots = tables[:, context // BLOCK] * BLOCK + context % BLOCK
     meta = AttentionMetadata(slots, batch, tables, torch.full((batch,), context + 1), [])
-    return ModelInput(torch.randint(100, 1000, (batch,)), torch.full((batch,), context), meta, [], [], [])
+    return ModelInput(torch.randint(100, 1000, (batch,)), torch.full((batch,), context), meta, list(range(batch)), [], [])
 
 
-def tokens_per_s(runner: ModelRunner, batch: int, context: int, steps: int) -> float:
+def prefill_input(n: int) -> ModelInput:
+    table = torch.arange(1, -(-n // BLOCK) + 1)
+    slots = table.repeat_interleave(BLOCK)[:n] * BLOCK + torch.arange(n) % BLOCK
+    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                             [PrefillSeq(0, n, n, table)])
+    return ModelInput(torch.randint(100, 1000, (n,)), torch.arange(n), meta, [n - 1], [], [])
+
+
+def tokens_per_s(runner: ModelRunner, make, tokens: int, steps: int) -> float:
     with torch.inference_mode():
-        for i in range(steps + 3):
-            if i == 3:
-                t = time.perf_counter()
-            inp = decode_input(batch, context, runner.block_size)
-            runner.model.compute_logits(runner.forward(inp)).argmax(-1)
-    return batch * steps / (time.perf_counter() - t)
+        runner.forward(make())[1].argmax(-1)  # warm
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner.forward(make())[1].argmax(-1)
+    return tokens * steps / (time.perf_counter() - t)
 
 
-def startup(model_dir: str, dtype: str, buckets: str) -> float:
-    """Seconds to compile every bucket (this process's own, cache as the environment says)."""
+def startup(model_dir: str, dtype: str, max_batch: int) -> float:
+    """Seconds setup_execution("inductor") takes in this process (cache as the environment says)."""
     model = load_model(model_dir, getattr(torch, dtype))
-    runner = ModelRunner(model, 64, 16, getattr(torch, dtype))
+    runner = ModelRunner(model, 64, BLOCK, getattr(torch, dtype))
     t = time.perf_counter()
-    runner.setup_execution("inductor", tuple(int(b) for b in buckets.split(",")))
+    runner.setup_execution("inductor", max_batch)
     return time.perf_counter() - t
+
+
+def measure_round(runners: dict, batches: list[int], args) -> dict[tuple[str, str], float]:
+    out = {}
+    for name, runner in runners.items():
+        for b in batches:
+            out[name, f"batch {b}"] = tokens_per_s(runner, lambda b=b: decode_input(b, args.context), b, args.steps)
+        out[name, f"prefill {args.prefill}"] = tokens_per_s(runner, lambda: prefill_input(args.prefill), args.prefill, 2)
+    return out
+
+
+def report(rounds: list[dict], names: list[str], columns: list[str]) -> None:
+    print(f"\n{len(rounds)} rounds; tok/s, median over rounds (vs eager of the same dtype: median of per-round ratios)")
+    print("| mode | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for name in names:
+        base = "eager " + name.split()[-1] if name.startswith("inductor") else None
+        cells = []
+        for col in columns:
+            cell = f"{statistics.median(r[name, col] for r in rounds):.1f}"
+            if base in names:
+                cell += f" ({statistics.median(r[name, col] / r[base, col] for r in rounds):.2f}x)"
+            cells.append(cell)
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -65,34 +103,37 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-startup", action="store_true")
     ap.add_argument("--startup-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model))
-    if args.startup_only:
-        print(f"{startup(model_dir, args.startup_only, args.batches):.1f}")
-        return
     batches = [int(b) for b in args.batches.split(",")]
-    blocks = max(batches) * (-(-(args.context + 1) // 16)) + 1
-    print("| mode | " + " | ".join(f"batch {b} tok/s" for b in batches) + " | vs eager fp32 (batch 1 / last) |")
-    print("|---|" + "---|" * (len(batches) + 1))
-    base = None
+    if args.startup_only:
+        print(f"{startup(model_dir, args.startup_only, max(batches)):.1f}")
+        return
+    blocks = max(max(batches) * -(-(args.context + 1) // BLOCK), -(-args.prefill // BLOCK)) + 1
+    runners = {}
     for name in args.modes.split(","):
-        dtype, compiled, quant = MODES[name]
-        model = load_model(model_dir, dtype, quant)
-        runner = ModelRunner(model, blocks, 16, dtype)
-        runner.setup_execution("inductor" if compiled else "none", tuple(batches))  # as the engine does
-        rates = [tokens_per_s(runner, b, args.context, args.steps) for b in batches]
-        base = base or rates
-        print(f"| {name} | " + " | ".join(f"{r:.1f}" for r in rates)
-              + f" | {rates[0] / base[0]:.2f}x / {rates[-1] / base[-1]:.2f}x |", flush=True)
+        dtype, compile, quant = MODES[name]
+        runners[name] = ModelRunner(load_model(model_dir, dtype, quant), blocks, BLOCK, dtype)
+        runners[name].setup_execution(compile, max(batches))  # as the engine does
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(measure_round(runners, batches, args))
+        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    report(rounds, list(runners), [f"batch {b}" for b in batches] + [f"prefill {args.prefill}"])
+    if args.no_startup:
+        return
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        cmd = [sys.executable, __file__, "--model", model_dir, "--batches", args.batches, "--startup-only", "float32"]
-        cold = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
-        warm = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
-    print(f"\ncompile start-up (buckets {args.batches}, fp32): cold cache {cold} s, warm cache {warm} s")
+        cmd = [sys.executable, __file__, "--model", model_dir, "--batches", args.batches, "--startup-only", "bfloat16"]
+        cold, warm = (subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
+                      for _ in range(2))
+    print(f"\ncompile start-up (bfloat16 decode graph, batch up to {max(batches)}): cold cache {cold} s, warm cache {warm} s")
 
 
 if __name__ == "__main__":

@@ -26,29 +26,32 @@ def test_inductor_matches_eager(tiny_model):
     eager = LLM(tiny_model, max_num_seqs=8)
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert [o.token_ids for o in compiled.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
-    # start-up compiled every bucket the engine then used: serving compiled nothing more
+    # start-up compiled the one decode graph every batch size uses: serving compiled nothing more
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
     assert any(r.num_prefill_tokens == 0 for r in compiled.engine.step_records)  # decode-only steps ran compiled
+    runner, model = compiled.engine.runner, compiled.engine.model
+    for rows in (3, 1):  # any batch size runs the one graph; a single row is padded to MIN_ROWS
+        decode_logits_match_eager(runner, model, rows)
 
-    # logits of one padded decode bucket (3 rows -> bucket 4) equal eager within 1e-4
-    runner = compiled.engine.runner
-    graphs, model = runner.decode_graphs, compiled.engine.model
+
+def decode_logits_match_eager(runner, model, rows: int) -> None:
+    """Compiled decode logits equal eager within 1e-4 (fp32); padding never writes a real slot."""
     caches = [torch.randn_like(c) for c in runner.kv_caches]
     before = [c.clone() for c in caches]
-    tables = torch.tensor([[1, 2], [3, 0], [4, 5]])
-    lens = torch.tensor([20, 7, 18])
-    slots = torch.tensor([2 * 16 + 3, 3 * 16 + 6, 5 * 16 + 1])
-    ids, pos = torch.tensor([11, 12, 13]), lens - 1
+    tables = torch.tensor([[1, 2], [3, 0], [4, 5]])[:rows]
+    lens = torch.tensor([20, 7, 18])[:rows]
+    slots = torch.tensor([2 * 16 + 3, 3 * 16 + 6, 5 * 16 + 1])[:rows]
+    ids, pos = torch.tensor([11, 12, 13])[:rows], lens - 1
 
     def meta():
-        return AttentionMetadata(slots, 3, tables, lens, [])
+        return AttentionMetadata(slots, rows, tables, lens, [])
 
     with torch.inference_mode():
-        got = model.compute_logits(graphs(ids, pos, caches, meta()))
+        got = runner.decode_graph(ids, pos, caches, meta())
         after_compiled = [c.clone() for c in caches]
         want = model.compute_logits(model(ids, pos, [b.clone() for b in before], meta()))
-    assert got.shape[0] == 3 and (got - want).abs().max() <= 1e-4
-    # the padded row wrote only into the null block: every other slot changed only at `slots`
+    assert got.shape[0] == rows and (got - want).abs().max() <= 1e-4
+    # padded rows wrote only into the null block: every other slot changed only at `slots`
     for b, a in zip(before, after_compiled, strict=True):
         changed = (b != a).flatten(3).any(-1).any(0).flatten()  # per slot: [num_blocks * block_size]
         changed[:16] = False  # block 0, the null block
@@ -146,3 +149,13 @@ def test_bfloat16_greedy_matches_float32_mostly(smollm):
         assert l1 - l2 < 0.5, f"bf16 diverged at {i} where float32 was not near a tie ({l1 - l2:.3f} nats)"
     print(f"bf16 greedy equals float32 on {same}/{len(sentences)} prompts")
     assert same >= len(sentences) // 2
+
+
+def test_compile_mode_choice():
+    from llmserve.model.compile import CompileUnavailableError, choose_mode
+
+    with pytest.raises(CompileUnavailableError, match="--quantize int8"):
+        choose_mode("inductor", torch.bfloat16, "int8")  # refused clearly, before the model loads
+    assert choose_mode("auto", torch.float32, None) == "none"  # float32: compiled measured no faster
+    assert choose_mode("auto", torch.bfloat16, "int8") == "none"
+    assert choose_mode("none", torch.bfloat16, None) == "none"

@@ -22,7 +22,7 @@ from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per
 from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.engine.request import Request, RequestStatus, Timeline
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.model.compile import DEFAULT_BUCKETS, check_tensorrt
+from llmserve.model.compile import check_tensorrt, choose_mode
 from llmserve.model.loader import fingerprint, load_model
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
@@ -40,10 +40,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         keep_large_allocations()
-        if config.compile == "tensorrt":
-            check_tensorrt()  # before the (slow) model load: fail at once
-        self.model_dir = resolve_model(config.model)
         self.dtype = DTYPES[config.dtype]
+        self.compile = choose_mode(config.compile, self.dtype, config.quantize)  # before the (slow) model load
+        if self.compile == "tensorrt":
+            check_tensorrt()
+        self.model_dir = resolve_model(config.model)
         self.model = load_model(self.model_dir, self.dtype, config.quantize)
         self.model_config = self.model.config
         self.tokenizer = Tokenizer(self.model_dir)
@@ -58,8 +59,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
-        buckets = tuple(b for b in DEFAULT_BUCKETS if b < config.max_num_seqs) + (config.max_num_seqs,)
-        self.runner.setup_execution(config.compile, buckets, config.attention_backend)
+        self.runner.setup_execution(self.compile, config.max_num_seqs, config.attention_backend)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
             self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,

@@ -17,7 +17,7 @@ from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
-from llmserve.model.compile import DecodeGraphs
+from llmserve.model.compile import DecodeGraph
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.packed import pack_linears
 
@@ -62,28 +62,30 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
-        self.decode_graphs: DecodeGraphs | None = None  # set by use_compiled_decode()
+        self.decode_graph: DecodeGraph | None = None  # set by setup_execution("inductor")
 
-    def use_compiled_decode(self, graphs: DecodeGraphs) -> None:
-        graphs.warm_up(self.kv_caches)
-        self.decode_graphs = graphs
-
-    def setup_execution(self, compile: str, buckets: tuple[int, ...], attention_backend: str = "auto") -> None:
+    def setup_execution(self, compile: str, max_batch: int, attention_backend: str = "auto") -> None:
         """Decode attention: the native kernel when `auto` and it builds here, else pure torch.
-        `--compile inductor`: compiled decode buckets. `none`: eager with oneDNN-packed linear
-        weights (int8 layers are left alone). tensorrt is refused before the model loads."""
+        Linear weights are packed for oneDNN (int8 layers are left alone); `--compile inductor`
+        then compiles the decode graph over those same packed weights. tensorrt is refused before
+        the model loads."""
         self.model.use_native_attention(attention_backend == "auto" and kernels.load())
+        logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
         if compile == "inductor":
-            self.use_compiled_decode(DecodeGraphs(self.model, buckets))
-        elif compile == "none":
-            logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
+            graph = DecodeGraph(self.model, max_batch)
+            logger.info("compiled decode graph ready in %.1f s", graph.warm_up(self.kv_caches))
+            self.decode_graph = graph
 
-    def forward(self, inp: ModelInput) -> torch.Tensor:
-        """Decode-only batches that fit a compiled bucket run the compiled graph; others run eager."""
-        g, n = self.decode_graphs, inp.input_ids.shape[0]
-        if g is not None and inp.meta.num_decodes == n and g.bucket(n) is not None:
-            return g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+    def forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden [T, hidden] or None, logits [len(sample_rows), vocab] fp32 or None).
+        Decode-only batches that fit the compiled graph run it (logits only); others run eager."""
+        g, n = self.decode_graph, inp.input_ids.shape[0]
+        every_row_samples = inp.sample_rows == list(range(n)) and not inp.prompt_rows
+        if g is not None and inp.meta.num_decodes == n and g.fits(n) and every_row_samples:
+            return None, g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
+        return hidden, logits
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         decodes = [s for s in out.scheduled if s.num_tokens == 1]
@@ -127,8 +129,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self.prepare(out)
         t1 = time.perf_counter()
-        hidden = self.forward(inp)
-        logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
+        hidden, logits = self.forward(inp)
         t2 = time.perf_counter()
         result = RunnerOutput(prepare_s=t1 - t0, forward_s=t2 - t1)
         if inp.prompt_rows:

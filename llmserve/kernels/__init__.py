@@ -29,7 +29,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 BUILD_TIMEOUT_S = 600
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -63,7 +63,7 @@ def _library_path() -> Path:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    h.update(" ".join((torch.__version__, str(torch.version.git_version), *FLAGS, _cpu_flags())).encode())
+    h.update(" ".join((torch.__version__, str(torch.version.git_version), *FLAGS, cpu_flags())).encode())
     h.update(_compiler_version(_compiler()).encode())
     root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or cache_dir("kernels"))
     return root / f"llmserve_kernels-{h.hexdigest()[:16]}.so"

@@ -1,11 +1,20 @@
-"""Compiled execution: `--compile none | inductor | tensorrt`.
+"""Compiled execution: `--compile none | inductor | auto | tensorrt`.
 
-inductor: decode-only steps run a torch.compile'd forward at fixed batch buckets (1, 2, 4, ...).
-A batch of D decodes is padded to the next bucket b >= D; padded rows carry token 0 at
-position 0, write their K/V into the null block 0 (slot 0) and attend to 1 token, so they never
-touch a real sequence's cache. The block-table width is a dynamic dimension, so one graph per
-bucket serves every context length. Prefill and mixed steps stay eager (their shapes vary every
-step; measured in scripts/bench_compile.py). Every bucket is compiled at start-up.
+inductor: decode-only steps run one torch.compile'd graph, from token ids to fp32 logits, for every
+batch size up to max_batch. The batch and the block-table width are dynamic dimensions, so a
+single graph serves every batch size and context length. Dynamo specialises sizes 0 and 1, so a
+batch of 1 is padded to MIN_ROWS and a table to MIN_ROWS blocks: a padded row carries token 0 at
+position 0, writes its K/V into the null block 0 (slot 0) and attends to 1 token, so it never
+touches a real sequence's cache; padded table columns name the null block and lie past every
+sequence's length. Prefill and mixed steps run the eager model.
+
+The graph is compiled with inductor's `freezing`: the weights become constants of the graph and
+inductor prepacks them for oneDNN, as `model.packed` does for eager. The KV-cache write and the
+decode attention are opaque in-place ops (llmserve::write_kv_cache, llmserve::paged_decode_attention),
+so the compiled graph updates the cache where it lies instead of copying it.
+
+Compiled code is cached in cache_dir("inductor"); inductor keys it by the graph (which holds the
+frozen weights), the shapes and the torch version, so a warm start loads it instead of compiling.
 
 tensorrt: needs CUDA and torch_tensorrt; both are checked at start-up with a clear message.
 """
@@ -13,16 +22,18 @@ tensorrt: needs CUDA and torch_tensorrt; both are checked at start-up with a cle
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+import time
 
 import torch
 
 from llmserve.errors import LLMServeError
+from llmserve.kernels import cpu_flags
 from llmserve.model.attention import AttentionMetadata
 from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.compile")
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_ROWS = 2
 
 
 class CompileUnavailableError(LLMServeError):
@@ -46,58 +57,78 @@ def check_tensorrt() -> None:
     )
 
 
-class DecodeGraphs:
-    """torch.compile'd decode forward, one graph per batch bucket."""
+def choose_mode(requested: str, dtype: torch.dtype, quantize: str | None) -> str:
+    """The execution mode to run; `auto` picks, and says in one log line which and why."""
+    if requested == "inductor" and quantize:
+        raise CompileUnavailableError(
+            f"--compile inductor does not support --quantize {quantize} in this release "
+            "(int8 layers run eager); use --compile none with --quantize, or drop --quantize")
+    if requested != "auto":
+        return requested
+    bf16_cpu = "avx512_bf16" in cpu_flags().split()
+    if quantize:
+        mode, why = "none", f"--quantize {quantize} runs eager"
+    elif dtype != torch.bfloat16:
+        mode, why = "none", f"{str(dtype).removeprefix('torch.')}: compiled decode measured no faster than eager"
+    elif not bf16_cpu:
+        mode, why = "none", "this CPU lacks AVX-512 BF16, where compiled bfloat16 decode was measured to win"
+    else:
+        mode, why = "inductor", "bfloat16 on an AVX-512 BF16 CPU: compiled decode measured faster than eager"
+    logger.info("--compile auto chose %s: %s", mode, why)
+    return mode
 
-    def __init__(self, model: torch.nn.Module, buckets: tuple[int, ...] = DEFAULT_BUCKETS):
-        import os
 
-        import torch._inductor.config as inductor_config
+def configure_inductor() -> None:
+    """Process-wide inductor settings: the on-disk cache."""
+    import torch._inductor.config as inductor_config
 
-        inductor_cache = cache_dir("inductor")
-        inductor_cache.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
-        inductor_config.fx_graph_cache = True  # a second start reuses compiled graphs
-        # one graph per bucket (a static and a dynamic-width one each), for every dtype in the
-        # process: more than dynamo's default of 8 per function
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
+    inductor_cache = cache_dir("inductor")
+    inductor_cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+    inductor_config.fx_graph_cache = True  # a second start loads compiled graphs from disk
+
+
+class DecodeGraph:
+    """The compiled decode step: [B] token ids -> [B, vocab] fp32 logits, B <= max_batch."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int):
+        configure_inductor()
         self.model = model
-        self.buckets = tuple(sorted(buckets))
-        self.fn: Callable = torch.compile(self._decode, fullgraph=True)
+        self.max_batch = max(max_batch, MIN_ROWS)
+        self.fn = torch.compile(self._decode, fullgraph=True, dynamic=False)
 
     def _decode(self, ids, positions, slots, tables, seq_lens, kv_caches):
         meta = AttentionMetadata(slots, ids.shape[0], tables, seq_lens, [])
-        return self.model(ids, positions, kv_caches, meta)
+        return self.model.compute_logits(self.model(ids, positions, kv_caches, meta))
 
-    def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+    def fits(self, n: int) -> bool:
+        return n <= self.max_batch
 
     def __call__(self, ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """Same contract as model.forward, for a decode-only batch of at most max(buckets) rows."""
+        """Logits [D, vocab] fp32 for a decode-only batch of D <= max_batch rows (meta as model.forward)."""
         d = ids.shape[0]
-        b = self.bucket(d)
-        assert b is not None and meta.num_decodes == d and not meta.prefills
-        pad = b - d
-        tables = meta.decode_block_tables
-        if pad:
-            z = torch.zeros(pad, dtype=torch.long)
-            ids, positions, slots = torch.cat([ids, z]), torch.cat([positions, z]), torch.cat([meta.slot_mapping, z])
-            tables = torch.cat([tables, torch.zeros(pad, tables.shape[1], dtype=torch.long)])
-            seq_lens = torch.cat([meta.decode_seq_lens, torch.ones(pad, dtype=torch.long)])
-        else:
-            slots, seq_lens = meta.slot_mapping, meta.decode_seq_lens
+        assert self.fits(d) and meta.num_decodes == d and not meta.prefills
+        slots, tables, seq_lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+        if tables.shape[1] < MIN_ROWS:
+            tables = torch.cat([tables, tables.new_zeros(d, MIN_ROWS - tables.shape[1])], dim=1)
+        if d < MIN_ROWS:
+            z = ids.new_zeros(MIN_ROWS - d)
+            ids, positions, slots = torch.cat([ids, z]), torch.cat([positions, z]), torch.cat([slots, z])
+            tables = torch.cat([tables, tables.new_zeros(len(z), tables.shape[1])])
+            seq_lens = torch.cat([seq_lens, torch.ones_like(z)])
+        for t in (ids, positions, slots, tables, seq_lens):
+            torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(tables, 1)
         return self.fn(ids, positions, slots, tables, seq_lens, kv_caches)[:d]
 
-    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
-        from tqdm import tqdm
-
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
+        """Compile (or load from the cache) the graph; returns the seconds it took."""
+        t = time.perf_counter()
         # inputs made in inference mode, as ModelRunner.execute makes them: a graph compiled for
-        # ordinary tensors fails dynamo's dispatch-key guard on inference tensors and is compiled
-        # again at the first real step of each bucket
+        # ordinary tensors fails dynamo's dispatch-key guard on inference tensors
         with torch.inference_mode():
-            for b in tqdm(self.buckets, desc="compiling decode buckets", unit="graph"):
-                for width in (1, 2):  # the second width makes the block-table dimension dynamic
-                    tables = torch.zeros(b, width, dtype=torch.long)
-                    meta = AttentionMetadata(torch.zeros(b, dtype=torch.long), b, tables, torch.ones(b, dtype=torch.long), [])
-                    self(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), kv_caches, meta)
+            n = MIN_ROWS  # distinct tensors: dynamo guards on aliasing between inputs
+            ids, positions, slots = (torch.zeros(n, dtype=torch.long) for _ in range(3))
+            meta = AttentionMetadata(slots, n, torch.zeros(n, MIN_ROWS, dtype=torch.long), torch.ones(n, dtype=torch.long), [])
+            self(ids, positions, kv_caches, meta)
+        return time.perf_counter() - t

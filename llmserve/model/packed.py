@@ -6,11 +6,19 @@ layout that suits the GEMM poorly on every call; measured over the 30 layers of 
 shapes, packed weights are 2-4x faster in float32 and 1.1-1.5x in bfloat16 (scripts/bench_offline.py
 shows the end-to-end effect). Packing is checked against F.linear on a probe input at start-up
 and skipped, with a log line, where this torch build or CPU cannot do it.
+
+Compiled graphs call the same packed weights through llmserve::packed_linear(x, handle): the
+handle names an entry of a process-wide table, so the weight never enters the graph. (As a graph
+constant, an opaque oneDNN tensor needs inductor's freezing and cannot be pickled, which turns
+off inductor's on-disk cache; an int handle keeps the graph small and cacheable, and eager and
+compiled share one copy of the weights.)
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +28,8 @@ from llmserve.model.quantize import linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # handle -> (packed weight, bias)
+_HANDLES = itertools.count()
 
 
 class PackedLinear(nn.Module):
@@ -27,11 +37,30 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # an opaque oneDNN tensor: not a parameter or buffer, so it never enters a state dict
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        self.bias = linear.bias
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = (packed, linear.bias)
+        weakref.finalize(self, _PACKED.pop, self.handle, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return torch.ops.llmserve.packed_linear(x, self.handle)
+        return packed_linear(x, self.handle)
+
+
+def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    weight, bias = _PACKED[handle]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _packed_linear_shape(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _PACKED[handle][0].shape[0])
+
+
+_LIB = torch.library.Library("llmserve", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
+_LIB.impl("packed_linear", packed_linear, "CPU")
+_LIB.impl("packed_linear", _packed_linear_shape, "Meta")
 
 
 def _packs_correctly(dtype: torch.dtype) -> bool:
