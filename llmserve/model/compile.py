@@ -8,13 +8,14 @@ position 0, writes its K/V into the null block 0 (slot 0) and attends to 1 token
 touches a real sequence's cache; padded table columns name the null block and lie past every
 sequence's length. Prefill and mixed steps run the eager model.
 
-The graph is compiled with inductor's `freezing`: the weights become constants of the graph and
-inductor prepacks them for oneDNN, as `model.packed` does for eager. The KV-cache write and the
-decode attention are opaque in-place ops (llmserve::write_kv_cache, llmserve::paged_decode_attention),
-so the compiled graph updates the cache where it lies instead of copying it.
+The graph holds no weights: linear layers call the oneDNN-packed weights the eager model uses,
+by handle (llmserve::packed_linear, model/packed.py). The KV-cache write and the decode attention
+are opaque in-place ops (llmserve::write_kv_cache, llmserve::paged_decode_attention), so the
+compiled graph updates the cache where it lies instead of copying it.
 
-Compiled code is cached in cache_dir("inductor"); inductor keys it by the graph (which holds the
-frozen weights), the shapes and the torch version, so a warm start loads it instead of compiling.
+Compiled code is cached in cache_dir("inductor"); inductor keys it by the graph, its shapes and
+the torch version, so a warm start loads it instead of compiling. Compiling shows a progress
+bar whose ETA is the previous compile's duration on this machine.
 
 tensorrt: needs CUDA and torch_tensorrt; both are checked at start-up with a clear message.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -123,12 +125,49 @@ class DecodeGraph:
 
     def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
         """Compile (or load from the cache) the graph; returns the seconds it took."""
+        last = cache_dir("inductor") / "last_compile_seconds"
         t = time.perf_counter()
-        # inputs made in inference mode, as ModelRunner.execute makes them: a graph compiled for
-        # ordinary tensors fails dynamo's dispatch-key guard on inference tensors
-        with torch.inference_mode():
-            n = MIN_ROWS  # distinct tensors: dynamo guards on aliasing between inputs
-            ids, positions, slots = (torch.zeros(n, dtype=torch.long) for _ in range(3))
-            meta = AttentionMetadata(slots, n, torch.zeros(n, MIN_ROWS, dtype=torch.long), torch.ones(n, dtype=torch.long), [])
-            self(ids, positions, kv_caches, meta)
-        return time.perf_counter() - t
+        with _progress("compiling decode graph", _read_seconds(last)):
+            # inputs made in inference mode, as ModelRunner.execute makes them: a graph compiled for
+            # ordinary tensors fails dynamo's dispatch-key guard on inference tensors
+            with torch.inference_mode():
+                n = MIN_ROWS  # distinct tensors: dynamo guards on aliasing between inputs
+                ids, positions, slots = (torch.zeros(n, dtype=torch.long) for _ in range(3))
+                meta = AttentionMetadata(slots, n, torch.zeros(n, MIN_ROWS, dtype=torch.long), torch.ones(n, dtype=torch.long), [])
+                self(ids, positions, kv_caches, meta)
+        elapsed = time.perf_counter() - t
+        last.write_text(f"{elapsed:.1f}")
+        return elapsed
+
+
+def _read_seconds(path) -> float:
+    try:
+        return max(float(path.read_text()), 1.0)
+    except (OSError, ValueError):
+        return 60.0  # a first cold compile of SmolLM2-135M on 2 cores takes about a minute
+
+
+class _progress:
+    """A seconds bar, ticked by a thread while the main thread compiles; total = the estimate."""
+
+    def __init__(self, desc: str, estimate_s: float):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=round(estimate_s), desc=desc, unit="s")
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            if self.bar.n < self.bar.total:
+                self.bar.update(1)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.bar.update(self.bar.total - self.bar.n)
+        self.bar.close()
