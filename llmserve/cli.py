@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=(getattr(args, "log_level", None) or "info").upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = (getattr(args, "log_level", None) or "info").upper()
+    if getattr(args, "verbose", None) is False:
+        level = "WARNING"  # a load test's output is its progress bar and tables; --verbose shows library logs
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except LLMServeError as e:  # a clear message, no stack trace

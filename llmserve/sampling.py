@@ -78,8 +78,9 @@ class SamplingParams:
             _check(all(_num(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]", "logit_bias")
 
     def check_vocab(self, vocab_size: int) -> None:
-        for tid in list(self.logit_bias or {}) + list(self.stop_token_ids):
-            _check(0 <= tid < vocab_size, f"token id {tid} is outside the vocabulary (size {vocab_size})", "logit_bias")
+        for param, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
+            for tid in ids:
+                _check(0 <= tid < vocab_size, f"{param}: token id {tid} is outside the vocabulary (size {vocab_size})", param)
 
     def canonical(self) -> dict:
         """A stable dict of everything that changes the output (for cache keys): 0 and 0.0 agree."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import signal
 from pathlib import Path
 
 import httpx
@@ -197,3 +199,25 @@ def test_redis_down_at_start_up_never_fails_a_request(tiny_model, tmp_path):
             hit_within(s.url, body, 15)
         finally:
             later.stop()
+
+
+def test_sigterm_sends_the_queued_kv_writes(tiny_model, redis_server, tmp_path):
+    """Writes paused in Redis fill the write-behind queue; SIGTERM then waits for them to reach
+    Redis (or logs how many were dropped) before the engine exits."""
+    client = redis_server.client()
+    before = set(client.keys(KV))
+    prompts = [prompt(9000 + i, 160) for i in range(6)]  # 10 full blocks each
+    log = tmp_path / "server.log"
+    args = ("--redis-url", redis_server.url, "--redis-timeout", "5", "--log-level", "info")
+    with server_process(tiny_model, log, *args) as server:
+        client.execute_command("CLIENT", "PAUSE", "3000", "WRITE")  # reads go on; writes wait
+        for ids in prompts:
+            post(server.url, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0, "cache": False})
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+    text = log.read_text()
+    said = re.search(r"KV store: (?:(\d+) of )?(\d+) queued block writes (sent|dropped) at shutdown", text)
+    assert said, text[-3000:]
+    written = set(client.keys(KV)) - before
+    dropped = int(said.group(1)) if said.group(3) == "dropped" else 0
+    assert int(said.group(2)) > 0 and len(written) + dropped == 60, (said.group(0), len(written))

@@ -76,6 +76,30 @@ def test_chat_endpoint_and_max_duration_bound_the_run(server_url, tmp_path):
     assert any("max-duration" in e for e in s["errors"])
 
 
+# `llmserve bench serve`, with a library that logs one INFO line per request (as httpx does)
+NOISY_BENCH = """
+import logging, sys
+from llmserve import cli
+from llmserve.bench import serve
+real = serve.run_bench
+def noisy(args):
+    logging.getLogger("httpx").info("HTTP Request: POST /v1/completions")
+    return real(args)
+serve.run_bench = noisy
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_bench_output_is_its_table_unless_verbose(server_url, verbose):
+    args = ["bench", "serve", "--base-url", server_url, "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+            "--disable-tqdm", *(["--verbose"] if verbose else [])]
+    p = subprocess.run([sys.executable, "-c", NOISY_BENCH, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "successful requests: 2 / 2" in p.stdout
+    assert ("HTTP Request" in p.stderr) == verbose, p.stderr
+
+
 def test_failures_are_counted_not_raised(tmp_path):
     out = tmp_path / "down.json"
     rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "3",

@@ -201,6 +201,34 @@ def test_native_generate_matches_offline(server, offline):
     assert last["finish_reason"] == ref.finish_reason and last["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_native_generate_takes_chat_messages(server, offline):
+    """/generate with "messages" runs the chat template: the same tokens as the chat route."""
+    ids = offline.tokenizer.apply_chat_template(MESSAGES)
+    ref = greedy(offline, ids, 12)
+    final = httpx.post(server.url + "/generate", json={"messages": MESSAGES, "max_tokens": 12, "temperature": 0}, timeout=60).json()
+    assert final["token_ids"] == ref.token_ids and final["generated_text"] == ref.text
+    assert final["usage"]["prompt_tokens"] == len(ids)
+    both = httpx.post(server.url + "/generate", json={"messages": MESSAGES, "prompt": "x"}, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+
+
+def test_chat_content_forms_openai_accepts(server, client, offline):
+    """A list of text parts reads as its joined text; an assistant turn with tool_calls may have
+    no content; developer and tool messages are accepted."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "about it."}]}]
+    as_text = [{"role": "user", "content": "Tell me\nabout it."}]
+    a = client.chat.completions.create(model=server.model, messages=parts, max_tokens=6, temperature=0)
+    b = client.chat.completions.create(model=server.model, messages=as_text, max_tokens=6, temperature=0)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message.content == b.choices[0].message.content
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Add."},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "user", "content": "Thanks."}]
+    r = client.chat.completions.create(model=server.model, messages=turns, max_tokens=4, temperature=0)
+    templated = [{"role": m["role"], "content": m["content"] or ""} for m in turns]
+    assert r.usage.prompt_tokens == len(offline.tokenizer.apply_chat_template(templated))
+
+
 def test_models_health_tokenize(server, client, offline):
     assert [m.id for m in client.models.list().data] == [server.model]
     assert httpx.get(server.url + "/health").status_code == 200

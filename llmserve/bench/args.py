@@ -38,3 +38,4 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", default=None, metavar="OUT.json", help="summary and per-request records")
     o.add_argument("--plot", default=None, metavar="OUT.png", help="TTFT and ITL CDFs, throughput over time")
     o.add_argument("--disable-tqdm", action="store_true")
+    o.add_argument("--verbose", action="store_true", help="log what libraries log (e.g. one line per HTTP request)")

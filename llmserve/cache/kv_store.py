@@ -25,6 +25,7 @@ import json
 import logging
 import queue
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import asdict, dataclass
@@ -47,7 +48,7 @@ class KVStoreStats:
     blocks_written: int = 0
     blocks_rejected: int = 0
     errors: int = 0
-    dropped: int = 0  # writes dropped because the write-behind queue was full
+    dropped: int = 0  # writes dropped: the write-behind queue was full, Redis was down, or shutdown came first
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -102,13 +103,14 @@ class RedisKVStore:
         self.pending: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_pending)
         self.writer = threading.Thread(target=self._write_loop, name="llmserve-kv-writer", daemon=True)
         self.writer.start()
+        self.closed = False
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
 
     def put(self, block_hash: bytes, kv: torch.Tensor) -> None:
         """Queue a block (already copied out of the cache) for a write-behind."""
-        if not self.breaker.allow():
+        if self.closed or not self.breaker.allow():
             return
         try:
             self.pending.put_nowait((block_hash, kv))
@@ -161,20 +163,23 @@ class RedisKVStore:
         return raws
 
     def _write_loop(self) -> None:
-        while True:
+        """Until the None that close() queues: write what is queued, WRITE_BATCH at a time."""
+        done = False
+        while not done:
+            batch: list[tuple[bytes, torch.Tensor]] = []
             item = self.pending.get()
-            if item is None:
-                return
-            batch = [item]
-            while len(batch) < WRITE_BATCH and not self.pending.empty():
-                nxt = self.pending.get_nowait()
-                if nxt is None:
-                    return
-                batch.append(nxt)
-            self._write(batch)
+            while item is not None:
+                batch.append(item)
+                if len(batch) == WRITE_BATCH or self.pending.empty():
+                    break
+                item = self.pending.get_nowait()
+            done = item is None
+            if batch:
+                self._write(batch)
 
     def _write(self, batch: list[tuple[bytes, torch.Tensor]]) -> None:
         if not self.breaker.allow():
+            self.stats.dropped += len(batch)
             return
         try:
             pipe = self.write_client.pipeline(transaction=False)
@@ -184,23 +189,43 @@ class RedisKVStore:
             self.breaker.success()
             self.stats.blocks_written += len(batch)
         except Exception as e:
+            self.stats.dropped += len(batch)
             self._error(e)
 
     def _error(self, e: Exception) -> None:
         self.stats.errors += 1
         self.breaker.failure(e)
 
-    def flush(self, timeout_s: float = 2.0) -> None:
-        """Wait (bounded) until queued writes have been sent; for tests and shutdown."""
-        import time
-
+    def close(self, timeout_s: float = 5.0) -> int:
+        """Send the queued writes (waiting up to `timeout_s`), then close the connections. Writes
+        that fail, or are still queued after that, are dropped, counted and logged. Returns the
+        number dropped."""
+        if self.closed:
+            return 0
+        self.closed = True
+        queued, dropped_before = self.pending.qsize(), self.stats.dropped
         end = time.monotonic() + timeout_s
-        while not self.pending.empty() and time.monotonic() < end:
-            time.sleep(0.005)
-        time.sleep(0.02)
-
-    def close(self) -> None:
-        self.pending.put(None)
+        try:
+            self.pending.put(None, timeout=timeout_s)  # after the queued writes
+        except queue.Full:
+            pass
+        self.writer.join(max(0.0, end - time.monotonic()))
+        while True:
+            try:
+                self.stats.dropped += self.pending.get_nowait() is not None
+            except queue.Empty:
+                break
+        dropped = self.stats.dropped - dropped_before
+        if dropped:
+            logger.warning("KV store: %d of %d queued block writes dropped at shutdown", dropped, queued)
+        elif queued:
+            logger.info("KV store: %d queued block writes sent at shutdown", queued)
+        for client in (self.client, self.write_client):
+            try:
+                client.close()
+            except Exception as e:  # a connection already broken: nothing left to release
+                logger.debug("KV store: closing a Redis client: %s", e)
+        return dropped
 
 
 class KVTier:

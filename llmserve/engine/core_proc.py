@@ -4,7 +4,9 @@ tier, and never shares an interpreter lock with the HTTP server.
 
 Loop: take in every message that has arrived (waiting only when idle) -> one engine step ->
 one StepOutputs with every request's new tokens. It exits on Shutdown, or when the server's
-pipe closes (the server died): an orphaned core never outlives its server.
+pipe closes (the server died): an orphaned core never outlives its server. After TRIM_AFTER_IDLE_S
+without work it hands the heap's free pages back to the OS (the hot loop keeps them otherwise,
+see cpu_runtime).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import itertools
 import logging
 import signal
 import sys
+import time
 
 from llmserve import errors
+from llmserve.engine.cpu_runtime import release_free_memory
 from llmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -35,6 +39,7 @@ from llmserve.engine.messages import (
 
 logger = logging.getLogger("llmserve.engine")
 IDLE_WAIT_S = 1.0  # an idle core re-checks its pipe this often (it wakes at once on a message)
+TRIM_AFTER_IDLE_S = 10.0
 
 
 class EngineCoreProc:
@@ -48,8 +53,14 @@ class EngineCoreProc:
 
     def run(self) -> None:
         engine = self.engine
+        last_work, trimmed = time.monotonic(), True
         while True:
             busy = engine.has_unfinished_requests()
+            if busy:
+                last_work, trimmed = time.monotonic(), False
+            elif not trimmed and time.monotonic() - last_work >= TRIM_AFTER_IDLE_S:
+                release_free_memory()
+                trimmed = True
             got = read_available(self.in_fd, self.reader, 0.0 if busy or self.pending else IDLE_WAIT_S)
             if got is None:
                 logger.info("the server has gone: engine core exits")
@@ -95,8 +106,10 @@ class EngineCoreProc:
 
 def main(argv: list[str]) -> int:
     in_fd, out_fd = int(argv[0]), int(argv[1])
-    # Ctrl-C in a terminal reaches the whole process group: the server drains, then stops us.
+    # Ctrl-C in a terminal reaches the whole process group, and a service manager's SIGTERM may
+    # reach every process of the service: the server drains, then stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     reader = FrameReader(ToCore)
     first = read_available(in_fd, reader, None)
     if not first or not isinstance(first[0], Configure):
@@ -119,6 +132,8 @@ def main(argv: list[str]) -> int:
         EngineCoreProc(engine, in_fd, out_fd, reader, first[1:]).run()
     except BrokenPipeError:
         logger.info("the server has gone: engine core exits")
+    finally:
+        engine.close()
     return 0
 
 

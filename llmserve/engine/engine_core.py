@@ -16,7 +16,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
 from llmserve.engine.block_manager import KVCacheManager
-from llmserve.engine.cpu_runtime import keep_large_allocations
+from llmserve.engine.cpu_runtime import bound_onednn_caches, keep_large_allocations, memory_stats
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from llmserve.engine.outputs import EngineStats, RequestOutput
@@ -40,6 +40,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         keep_large_allocations()
+        bound_onednn_caches()
         self.dtype = DTYPES[config.dtype]
         self.compile = choose_mode(config.compile, self.dtype, config.quantize)  # before the (slow) model load
         if self.compile == "tensorrt":
@@ -69,6 +70,18 @@ class LLMEngine:
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
+
+    def close(self) -> None:
+        """Send (or drop, counted and logged) the Redis tier's queued writes and close its
+        connections. Idempotent; the engine takes no requests afterwards."""
+        if self.kv_store is not None:
+            self.kv_store.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _connect_kv_store(self, config: EngineConfig):
         """The Redis tier behind the local prefix cache, when --redis-url is set."""
@@ -228,4 +241,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             kv_store=self.kv_store.stats.as_dict() if self.kv_store else {},
+            memory=memory_stats(),
         )

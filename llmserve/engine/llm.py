@@ -1,5 +1,6 @@
 """LLM: the offline API. `LLM(model=None, **engine_options).generate(prompts, SamplingParams(...))`.
-It drives the engine in process (no engine-core process, no IPC)."""
+It drives the engine in process (no engine-core process, no IPC). `with LLM(...) as llm:` closes
+it at the end (the Redis KV tier's queued writes are sent first)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,13 @@ class LLM:
 
     def get_stats(self):
         return self.engine.get_stats()
+
+    def close(self) -> None:
+        """Flush the Redis KV tier's queued writes and close its connections (see LLMEngine.close)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

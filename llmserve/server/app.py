@@ -37,7 +37,7 @@ from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.client import EngineClient
 from llmserve.errors import EngineDeadError, LLMServeError
-from llmserve.server import native, openai, stats
+from llmserve.server import native, openai, openapi, stats
 from llmserve.server.context import ServerContext, get_context
 from llmserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -49,7 +49,7 @@ from llmserve.server.metrics import ServerMetrics
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmserve.server")
-OPEN_PATHS = ("/health", "/metrics")  # no API key, served while draining (Prometheus scrapes)
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key, served while draining (Prometheus scrapes)
 DEATH_LINGER_S = 1.0  # after the core dies: time for error bodies to flush and /health to say 503
 
 
@@ -117,7 +117,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
                 await ctx.response_cache.close()
 
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *stats.routes],
+        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *stats.routes, *openapi.routes],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,

@@ -1,5 +1,8 @@
 """Native routes: POST /generate (per-token events with timings), /tokenize, /detokenize (vLLM's shapes).
 
+/generate takes one of "prompt" (raw text), "input_ids" or "messages" (chat, through the model's
+template: what an instruct model needs to answer).
+
 /generate with stream:true sends one SSE event per token,
   {"token": {"id", "text", "logprob"[, "top_logprobs": [{"id", "text", "logprob"}]]}, "index", "t_ms"}
 (index = position in the output, t_ms = ms from arrival to the token), then the final object,
@@ -42,13 +45,11 @@ async def generate(request: Request) -> Response:
 
 async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -> Response:
     ctx.check_model(body.model)
-    if (body.prompt is None) == (body.input_ids is None):
-        raise InvalidRequestError("give exactly one of prompt (text) and input_ids (token ids)", "prompt")
     if body.n != 1:
         raise InvalidRequestError("/generate makes one sequence (n must be 1); use /v1/completions for more", "n")
-    ids = ctx.tokenizer.encode(body.prompt, body.add_special_tokens) if body.prompt is not None else body.input_ids
+    ids = _prompt_ids(ctx, body)
     params = body.sampling_params(body.max_tokens, logprobs=body.logprobs or 0)
-    gen = Generation(ctx, new_id("gen"), [ids or []], params, arrival, use_cache=body.cache)
+    gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache)
     await gen.start()
     if body.stream:
         return GenerationStream(_events(ctx, gen), gen, done_marker=False)
@@ -57,6 +58,17 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
     finally:
         gen.close()
     return json_response(_final(gen), gen)
+
+
+def _prompt_ids(ctx: ServerContext, body: GenerateRequest) -> list[int]:
+    given = [name for name in ("prompt", "input_ids", "messages") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise InvalidRequestError("give exactly one of prompt (text), input_ids (token ids) and messages (chat)", "prompt")
+    if body.messages is not None:
+        return ctx.tokenizer.apply_chat_template(chat_messages(body.messages), body.add_generation_prompt)
+    if body.prompt is not None:
+        return ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
+    return body.input_ids or []
 
 
 async def _events(ctx: ServerContext, gen: Generation) -> AsyncIterator[bytes]:

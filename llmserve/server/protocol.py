@@ -145,23 +145,40 @@ class ContentPart(_Model):
 class ChatMessage(_Model):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None
 
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        if any(p.type != "text" or p.text is None for p in self.content):
-            raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
+    def text(self, where: str) -> str:
+        """The content as one string; `where` ("messages[2]") names the message in errors.
+
+        OpenAI's rules: content is required (a string, or a non-empty list of text parts) except
+        on an assistant message with tool_calls, where it may be null or absent."""
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise InvalidRequestError(f"{where}.content is required for a {self.role} message", f"{where}.content")
+        if isinstance(self.content, str):
+            return self.content
+        if not self.content:
+            raise InvalidRequestError(f"{where}.content must not be an empty list", f"{where}.content")
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"{where}.content[{j}]: only text content parts ({{'type': 'text', 'text': ...}}) are supported",
+                    f"{where}.content[{j}]",
+                )
         return "\n".join(p.text or "" for p in self.content)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages for the chat template: [{"role", "content"}], roles checked."""
+    """Messages for the chat template: [{"role", "content"}], roles and contents checked."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}", f"messages[{i}].role")
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(messages)]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -175,10 +192,13 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class GenerateRequest(SamplingFields):
-    """POST /generate: exactly one of prompt / input_ids."""
+    """POST /generate: exactly one of prompt (raw text), input_ids and messages (through the
+    chat template, as /v1/chat/completions applies it)."""
 
     prompt: str | None = None
     input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages only
     max_tokens: int | None = 16
     logprobs: int | None = None  # top-N alternatives; the chosen token's logprob is always sent
     add_special_tokens: bool = True

@@ -2,8 +2,9 @@
 key like every route but /health), so a client can read a server in another process.
 
 {"engine": EngineStats (kv_store: the Redis KV tier's blocks_read / blocks_written /
-blocks_rejected / errors / dropped, {} without Redis), "response_cache": {"enabled", "backend",
-"hits", "misses", "errors", "rejected", "stored"}}
+blocks_rejected / errors / dropped, {} without Redis; memory: the core process's rss_bytes and
+glibc heap figures), "server": {"memory": the same figures for this process}, "response_cache":
+{"enabled", "backend", "hits", "misses", "errors", "rejected", "stored"}}
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llmserve.engine.cpu_runtime import memory_stats
 from llmserve.server.context import get_context
 
 
@@ -27,7 +29,7 @@ async def stats(request: Request) -> Response:
         "backend": None if cache is None else "redis" if cache.redis is not None else "memory",
         **ctx.response_cache_stats.as_dict(),
     }
-    return JSONResponse({"engine": engine, "response_cache": response_cache})
+    return JSONResponse({"engine": engine, "server": {"memory": memory_stats()}, "response_cache": response_cache})
 
 
 routes = [Route("/stats", stats, methods=["GET"])]

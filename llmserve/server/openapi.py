@@ -1,0 +1,119 @@
+"""GET /openapi.json: the API described as OpenAPI 3.1, generated from the pydantic request
+models in protocol.py, so the description cannot drift from what the server validates.
+
+Every route is listed with its request body, its success media types (application/json, and
+text/event-stream where "stream": true is allowed) and the OpenAI-style error body of each 4xx/5xx
+it can answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llmserve import __version__
+from llmserve.server.context import get_context
+from llmserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+
+REF = "#/components/schemas/{model}"
+ERROR_STATUSES = {
+    400: "Invalid request (the body names the bad parameter in error.param)",
+    401: "Missing or wrong API key (with --api-key)",
+    404: "Unknown model",
+    413: "Body larger than --max-request-bytes",
+    415: "Body is not JSON",
+    429: "Server overloaded; retry after the Retry-After header",
+    503: "Engine not running, or shutting down",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    path: str
+    method: str
+    summary: str
+    body: type[BaseModel] | None = None
+    streams: bool = False  # "stream": true answers text/event-stream
+    success: str = "application/json"
+    errors: tuple[int, ...] = (400, 401, 404, 413, 415, 429, 503)
+
+
+OPERATIONS = (
+    Operation("/v1/completions", "post", "Text completion (OpenAI)", CompletionRequest, streams=True),
+    Operation("/v1/chat/completions", "post", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
+    Operation("/generate", "post", "Generate with per-token timings", GenerateRequest, streams=True),
+    Operation("/tokenize", "post", "Prompt or chat messages to token ids (vLLM)", TokenizeRequest, errors=(400, 401, 404, 413, 415)),
+    Operation("/detokenize", "post", "Token ids to text (vLLM)", DetokenizeRequest, errors=(400, 401, 404, 413, 415)),
+    Operation("/v1/models", "get", "The served model (OpenAI)", errors=(401,)),
+    Operation("/v1/models/{model}", "get", "One model card (OpenAI)", errors=(401, 404)),
+    Operation("/health", "get", "200 while the engine runs, 503 otherwise", success="", errors=(503,)),
+    Operation("/metrics", "get", "Prometheus metrics", success="text/plain", errors=()),
+    Operation("/stats", "get", "Engine, memory and cache figures as JSON", errors=(401,)),
+    Operation("/openapi.json", "get", "This description", errors=()),
+)
+
+
+def _operation(op: Operation) -> dict[str, Any]:
+    doc: dict[str, Any] = {"summary": op.summary, "operationId": f"{op.method}_{op.path.strip('/').replace('/', '_').strip('{}')}"}
+    if op.body is not None:
+        doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}}}
+    if "{model}" in op.path:
+        doc["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    ok: dict[str, Any] = {"description": "Success"}
+    if op.success:
+        ok["content"] = {op.success: {"schema": {"type": "object"} if op.success.endswith("json") else {"type": "string"}}}
+    if op.streams:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": "SSE: one `data: <json>` event per chunk"}}
+    error = {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}
+    responses = {"200": ok} | {str(s): {"description": ERROR_STATUSES[s], "content": error} for s in op.errors}
+    doc["responses"] = responses
+    return doc
+
+
+def build_openapi(title: str, secured: bool) -> dict[str, Any]:
+    """The OpenAPI 3.1 document; `secured`: every route but /health, /metrics and this one needs a bearer key."""
+    models = [op.body for op in OPERATIONS if op.body is not None] + [ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        doc = _operation(op)
+        if secured and op.path not in ("/health", "/metrics", "/openapi.json"):
+            doc["security"] = [{"bearer": []}]
+        paths.setdefault(op.path, {})[op.method] = doc
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": __version__},
+        "paths": paths,
+        "components": {"schemas": defs["$defs"], "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
+
+
+async def openapi_json(request: Request) -> Response:
+    ctx = get_context(request)
+    return JSONResponse(build_openapi(f"llmserve ({ctx.model_name})", bool(ctx.config.api_key)))
+
+
+routes = [Route("/openapi.json", openapi_json, methods=["GET"])]
