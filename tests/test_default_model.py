@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from server_harness import live_server
 
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.llama import LlamaForCausalLM
@@ -152,3 +154,13 @@ def test_later_resolves_reuse_the_folder(model_dir):
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == model_dir
     assert resolve_model(str(model_dir)) == model_dir
     assert (model_dir / "model.safetensors").stat().st_mtime_ns == before  # not converted again
+
+
+def test_readme_generate_example_answers(model_dir):
+    """The README's /generate example (chat messages) gets a real answer from the default model."""
+    body = {"messages": [{"role": "user", "content": "Write a haiku about autumn."}], "max_tokens": 48, "temperature": 0}
+    with live_server(str(model_dir)) as server:
+        r = httpx.post(server.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    text = r.json()["generated_text"]
+    assert len(text.split()) >= 5, text
