@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 
-from llmserve.engine.cpu_runtime import ONEDNN_CACHE_ENV, memory_stats, release_free_memory
+from llmserve.engine.cpu_runtime import ONEDNN_CACHE_ENV
+from llmserve.memory import memory_stats, release_free_memory
 
 # 120 distinct row counts through two bf16 packed linears: ~70 MB of cached primitives uncapped
 GROWTH = """
 import sys, torch
 from llmserve.engine import cpu_runtime
+from llmserve.memory import memory_stats
 cpu_runtime.ONEDNN_CACHE_ENTRIES = 8
 if sys.argv[1] == "capped":
     cpu_runtime.bound_onednn_caches()
@@ -23,10 +25,10 @@ m = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(
 pack_linears(m, torch.bfloat16)
 with torch.inference_mode():
     m(torch.randn(1, 576, dtype=torch.bfloat16))
-    before = cpu_runtime.memory_stats()["heap_in_use_bytes"]
+    before = memory_stats()["heap_in_use_bytes"]
     for rows in range(2, 122):
         m(torch.randn(rows, 576, dtype=torch.bfloat16))
-    print(cpu_runtime.memory_stats()["heap_in_use_bytes"] - before)
+    print(memory_stats()["heap_in_use_bytes"] - before)
 """
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks
 from server_harness import live_server
 

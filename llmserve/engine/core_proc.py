@@ -6,7 +6,7 @@ Loop: take in every message that has arrived (waiting only when idle) -> one eng
 one StepOutputs with every request's new tokens. It exits on Shutdown, or when the server's
 pipe closes (the server died): an orphaned core never outlives its server. After TRIM_AFTER_IDLE_S
 without work it hands the heap's free pages back to the OS (the hot loop keeps them otherwise,
-see cpu_runtime).
+see engine/cpu_runtime.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import sys
 import time
 
 from llmserve import errors
-from llmserve.engine.cpu_runtime import release_free_memory
 from llmserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -36,6 +35,7 @@ from llmserve.engine.messages import (
     read_available,
     write_all,
 )
+from llmserve.memory import release_free_memory
 
 logger = logging.getLogger("llmserve.engine")
 IDLE_WAIT_S = 1.0  # an idle core re-checks its pipe this often (it wakes at once on a message)

@@ -1,4 +1,4 @@
-"""Process-wide CPU runtime settings for the engine's hot loop, and the process's memory figures.
+"""Process-wide CPU runtime settings for the engine's hot loop.
 
 oneDNN caches: every new row count of a packed linear (a prefill of a length not seen before, a
 new decode batch size) makes a GEMM primitive of about 300 KB, kept both in oneDNN's primitive
@@ -15,10 +15,10 @@ those buffers in the heap and reuses them (measured: 1.5-2x faster fp32 decode a
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
+
+from llmserve.memory import LIBC
 
 logger = logging.getLogger("llmserve.engine")
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -27,16 +27,6 @@ TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
 ONEDNN_CACHE_ENTRIES = 256  # per cache; the steady batch sizes of a server stay cached
 ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
 
 
 def bound_onednn_caches() -> None:
@@ -48,7 +38,7 @@ def bound_onednn_caches() -> None:
 
 def keep_large_allocations() -> bool:
     """Tune glibc malloc once per process; False (and nothing changed) where glibc is absent."""
-    mallopt = getattr(_LIBC, "mallopt", None)
+    mallopt = getattr(LIBC, "mallopt", None)
     if mallopt is None:
         return False
     ok = all(mallopt(opt, val) == 1 for opt, val in (
@@ -56,39 +46,3 @@ def keep_large_allocations() -> bool:
     if not ok:
         logger.debug("mallopt refused a setting; keeping glibc defaults")
     return ok
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (0 where /proc is absent)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def heap_stats() -> dict[str, int]:
-    """glibc's view of the C heap, in bytes: in_use (allocated from the heap arenas), free (held
-    by the arenas but unused: what retention costs) and mmapped (large blocks outside the arenas).
-    {} where glibc's mallinfo2 is absent."""
-    fn = getattr(_LIBC, "mallinfo2", None)
-    if fn is None:
-        return {}
-    fn.restype = _MallInfo2
-    m = fn()
-    return {"heap_in_use_bytes": m.uordblks, "heap_free_bytes": m.fordblks, "mmapped_bytes": m.hblkhd}
-
-
-def memory_stats() -> dict[str, int]:
-    return {"rss_bytes": rss_bytes(), **heap_stats()}
-
-
-def release_free_memory() -> bool:
-    """Give the heap's free pages back to the OS (glibc malloc_trim); False where absent."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    return bool(trim is not None and trim(0))

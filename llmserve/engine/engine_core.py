@@ -16,12 +16,13 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
 from llmserve.engine.block_manager import KVCacheManager
-from llmserve.engine.cpu_runtime import bound_onednn_caches, keep_large_allocations, memory_stats
+from llmserve.engine.cpu_runtime import bound_onednn_caches, keep_large_allocations
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.engine.request import Request, RequestStatus, Timeline
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.memory import memory_stats
 from llmserve.model.compile import check_tensorrt, choose_mode
 from llmserve.model.loader import fingerprint, load_model
 from llmserve.profiling import StepRecord

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llmserve.engine.cpu_runtime import memory_stats
+from llmserve.memory import memory_stats
 from llmserve.server.context import get_context
 
 
