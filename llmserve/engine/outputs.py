@@ -93,4 +93,4 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     kv_store: dict[str, int] = field(default_factory=dict)
-    memory: dict[str, int] = field(default_factory=dict)  # the engine's process: cpu_runtime.memory_stats()
+    memory: dict[str, int] = field(default_factory=dict)  # the engine's process: llmserve.memory.memory_stats()
