@@ -7,6 +7,39 @@ from dataclasses import asdict, dataclass, field, replace
 from llmserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 1024
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Output held to a structure by a token mask (vLLM's names); exactly one field is set.
+
+    json: a JSON schema (dict, or its JSON text); json_object: any JSON object; regex: the whole
+    output matches it; choice: the output is one of these strings; grammar: a Lark grammar
+    (llguidance's dialect, e.g. `start: "yes" | "no"`) or a GBNF one (with `::=`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def kind(self) -> str:
+        """The one field that is set; InvalidRequestError otherwise."""
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}",
+               "structured_outputs")
+        kind = given[0]
+        if kind == "choice":
+            _check(isinstance(self.choice, list) and 0 < len(self.choice) <= MAX_CHOICES and all(isinstance(c, str) and c for c in self.choice),
+                   f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings", "structured_outputs.choice")
+        elif kind == "json":
+            _check(isinstance(self.json, (dict, str)), "structured_outputs.json must be a JSON schema (an object)", "structured_outputs.json")
+        elif kind in ("regex", "grammar"):
+            _check(isinstance(getattr(self, kind), str) and getattr(self, kind), f"structured_outputs.{kind} must be a non-empty string",
+                   f"structured_outputs.{kind}")
+        return kind
 
 
 @dataclass(slots=True)
@@ -30,6 +63,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (echo)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +110,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers", "stop_token_ids")
         if self.logit_bias:
             _check(all(_num(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.structured_outputs is not None:
+            self.structured_outputs.kind()
 
     def check_vocab(self, vocab_size: int) -> None:
         for param, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):

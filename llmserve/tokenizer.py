@@ -36,11 +36,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self.fast.id_to_token(token_id) or ""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` argument."""
+        return bool(self.chat_template) and "tools" in str(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as e:  # jinja2 raises on templates that reject the conversation
             raise InvalidRequestError(f"chat template rejected the messages: {e}", "messages") from None
         return self.encode(text, add_special_tokens=False)

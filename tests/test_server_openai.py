@@ -214,7 +214,7 @@ def test_native_generate_takes_chat_messages(server, offline):
 
 def test_chat_content_forms_openai_accepts(server, client, offline):
     """A list of text parts reads as its joined text; an assistant turn with tool_calls may have
-    no content; developer and tool messages are accepted."""
+    no content (its calls are shown as tool-call blocks); developer and tool messages are accepted."""
     parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "about it."}]}]
     as_text = [{"role": "user", "content": "Tell me\nabout it."}]
     a = client.chat.completions.create(model=server.model, messages=parts, max_tokens=6, temperature=0)
@@ -225,7 +225,9 @@ def test_chat_content_forms_openai_accepts(server, client, offline):
              {"role": "assistant", "content": None, "tool_calls": [call]},
              {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "user", "content": "Thanks."}]
     r = client.chat.completions.create(model=server.model, messages=turns, max_tokens=4, temperature=0)
-    templated = [{"role": m["role"], "content": m["content"] or ""} for m in turns]
+    # the assistant's call is shown to the model as the block it would have written
+    block = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    templated = [{"role": m["role"], "content": m["content"] or block} for m in turns]
     assert r.usage.prompt_tokens == len(offline.tokenizer.apply_chat_template(templated))
 
 

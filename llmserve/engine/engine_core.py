@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from llmserve.model.compile import check_tensorrt, choose_mode
 from llmserve.model.loader import fingerprint, load_model
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
+from llmserve.structured import COMPILE_TIMEOUT_S, GrammarCompiler, grammar_of
 from llmserve.tokenizer import Tokenizer, eos_token_ids, read_generation_config
 
 logger = logging.getLogger("llmserve.engine")
@@ -69,6 +71,9 @@ class LLMEngine:
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
+        self.grammars = GrammarCompiler(self.tokenizer.fast.to_str(), self.model_config.vocab_size, tuple(self.eos_token_ids))
+        self.compiling: list[tuple[Request, Future]] = []  # structured requests whose matcher is being built
+        self._grammar_pool: ThreadPoolExecutor | None = None
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
         self.num_steps = 0
 
@@ -77,6 +82,8 @@ class LLMEngine:
         connections. Idempotent; the engine takes no requests afterwards."""
         if self.kv_store is not None:
             self.kv_store.close()
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -128,29 +135,70 @@ class LLMEngine:
         req = Request(core.request_id, core.prompt_token_ids, core.sampling_params, core.max_tokens,
                       self.eos_token_ids, Timeline(core.arrival_time))
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
-        self.scheduler.add_request(req)
+        so = req.sampling_params.structured_outputs
+        if so is None:
+            self.scheduler.add_request(req)
+        else:  # scheduled once its matcher is built, off the step loop
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+            self.compiling.append((req, self._grammar_pool.submit(lambda: self.grammars.matcher(grammar_of(so)))))
         return req
+
+    def _admit_compiled(self) -> None:
+        """Structured requests whose matcher is ready go to the scheduler; a grammar that fails
+        (or takes over COMPILE_TIMEOUT_S) ends its request."""
+        still = []
+        for req, fut in self.compiling:
+            if not fut.done() and time.time() - req.timeline.arrival < COMPILE_TIMEOUT_S:
+                still.append((req, fut))
+                continue
+            error = "the grammar took too long to compile" if not fut.done() else None
+            if error is None:
+                try:
+                    req.matcher = fut.result()
+                    error = req.matcher.get_error() if req.matcher.is_error() else None
+                except Exception as e:  # an invalid grammar the server did not see (offline callers)
+                    error = getattr(e, "message", str(e))
+            if error is None:
+                self.scheduler.add_request(req)
+            else:
+                logger.warning("request %s: structured output unavailable: %s", req.request_id, error)
+                req.status, req.stop_reason = RequestStatus.FINISHED_ABORTED, error
+                self.pending.append(self._output(req, [], "", [], time.time()))
+                self._forget(req.request_id)
+        self.compiling = still
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.requests.get(request_id)
         if req is None:
+            req = next((r for r, _ in self.compiling if r.request_id == request_id), None)
+            if req is None:
+                return
+            self.compiling = [(r, f) for r, f in self.compiling if r is not req]
+            req.status = RequestStatus.FINISHED_ABORTED
+            self.pending.append(self._output(req, [], "", [], time.time()))
+            self._forget(request_id)
             return
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self.pending.append(self._output(req, [], "", [], time.time()))
         self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.pending)
+        return self.scheduler.has_unfinished() or bool(self.pending or self.compiling)
 
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         start = time.time()
+        if self.compiling:
+            self._admit_compiled()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         outputs, self.pending = self.pending, []
         if sched.empty:
+            if self.compiling:  # nothing to run but grammars being built: do not spin
+                wait([f for _, f in self.compiling], timeout=0.005, return_when=FIRST_COMPLETED)
             return outputs
         run = self.runner.execute(sched)
         t2 = time.perf_counter()
@@ -172,6 +220,8 @@ class LLMEngine:
                 continue
             token, lp = sampled
             req.append_output_token(token)
+            if req.matcher is not None:
+                req.matcher.consume_token(token)
             if lp is not None:
                 req.logprobs.append(lp)
             req.timeline.token_times.append(now)
@@ -192,6 +242,8 @@ class LLMEngine:
         n_out = len(req.output_token_ids)
         if detok.stop_string is not None:
             req.stop_reason = detok.stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if req.matcher is not None and req.matcher.is_stopped():  # the structure is complete
             return RequestStatus.FINISHED_STOPPED
         if n_out >= p.min_tokens:
             if token in req.eos_token_ids and not p.ignore_eos:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.engine.outputs import Timeline, TokenLogprobs
 from llmserve.sampling import SamplingParams
@@ -42,6 +43,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    matcher: Any = None  # llguidance.LLMatcher of a structured request: it has consumed every output token
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -1,8 +1,9 @@
 """Sampler: logits [N, vocab] (fp32) of the rows that sample this step -> one token id each.
 
-Order per row: logit_bias, min_tokens (ban EOS/stop ids), repetition/presence/frequency penalties,
-then greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw. Logprobs are those of the
-raw model distribution (before any processing), as vLLM reports them.
+Order per row: the structured-output mask (one batched op over the constrained rows; the other
+rows are untouched), logit_bias, min_tokens (ban EOS/stop ids), repetition/presence/frequency
+penalties, then greedy argmax, or temperature -> top_k -> top_p -> min_p -> a draw. Logprobs are
+those of the raw model distribution (before any processing), as vLLM reports them.
 
 A draw is argmax(probs / Exp(1) noise), which samples exactly from `probs`. A request with a seed
 draws its noise from its own generator, advanced once per token, so its output is the same
@@ -17,6 +18,7 @@ import torch
 
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.sampling import SamplingParams
+from llmserve.structured import apply_bitmask, fill_bitmask
 
 
 @dataclass(slots=True)
@@ -51,10 +53,16 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
         rows = [i for i, r in enumerate(requests) if _needs_processing(r)]
-        if not rows:
+        if not rows and not constrained:
             return logits
         logits = logits.clone()
+        if constrained:
+            mask = fill_bitmask([requests[i].matcher for i in constrained], logits.shape[-1])
+            picked = logits[constrained]
+            apply_bitmask(picked, mask)
+            logits[constrained] = picked
         for i in rows:
             _process_row(logits[i], requests[i])
         return logits

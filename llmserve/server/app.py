@@ -46,6 +46,7 @@ from llmserve.server.errors import (
     error_response,
 )
 from llmserve.server.metrics import ServerMetrics
+from llmserve.structured import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmserve.server")
@@ -99,7 +100,9 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     engine_config = client.config
     cache = make_response_cache(config.response_cache, config.response_cache_ttl, config.response_cache_bytes,
                                 engine_config.redis_url, engine_config.redis_timeout)
-    ctx = ServerContext(client, Tokenizer(Path(client.info.model_dir)), config, cache)
+    tokenizer = Tokenizer(Path(client.info.model_dir))
+    ctx = ServerContext(client, tokenizer, config, cache)
+    ctx.grammars = GrammarCompiler(tokenizer.fast.to_str(), client.info.vocab_size, client.info.eos_token_ids)
     metrics = ServerMetrics()
     metrics.attach(client, lambda: ctx.response_cache_stats)
 

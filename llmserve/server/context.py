@@ -14,7 +14,11 @@ from starlette.requests import Request
 from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
 from llmserve.config import ServerConfig
 from llmserve.engine.client import EngineClient
+from llmserve.errors import InvalidRequestError
+from llmserve.sampling import SamplingParams
 from llmserve.server.errors import NotFoundError
+from llmserve.server.protocol import renamed
+from llmserve.structured import COMPILE_TIMEOUT_S, GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmserve.server")
@@ -29,6 +33,7 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set at startup
+    grammars: GrammarCompiler | None = None  # checks structured-output grammars (400 on a bad one)
     _deadline: asyncio.TimerHandle | None = field(default=None, init=False)  # aborts what is left
 
     @property
@@ -48,6 +53,19 @@ class ServerContext:
         """`model` may be omitted; otherwise it must name the served model."""
         if name is not None and name != self.model_name:
             raise NotFoundError(f"the model `{name}` does not exist; this server serves `{self.model_name}`", "model", "model_not_found")
+
+    async def check_structured(self, params: SamplingParams, asked_by: str) -> None:
+        """Compile the request's grammar once, off the event loop, within COMPILE_TIMEOUT_S; a
+        400 naming `asked_by` when it does not compile in time or at all."""
+        so = params.structured_outputs
+        if so is None or self.grammars is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.grammars.check, so, asked_by), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequestError(f"{asked_by}: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s", asked_by) from None
+        except InvalidRequestError as e:
+            raise renamed(e, asked_by) from None
 
     def begin_shutdown(self) -> None:
         """Any thread (a signal handler): refuse new requests, abort the rest after the grace period."""

@@ -49,6 +49,7 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
         raise InvalidRequestError("/generate makes one sequence (n must be 1); use /v1/completions for more", "n")
     ids = _prompt_ids(ctx, body)
     params = body.sampling_params(body.max_tokens, logprobs=body.logprobs or 0)
+    await ctx.check_structured(params, body.structured()[1])
     gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache)
     await gen.start()
     if body.stream:

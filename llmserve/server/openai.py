@@ -29,6 +29,7 @@ from llmserve.server.protocol import (
     read_json,
 )
 from llmserve.server.streaming import GenerationStream, dumps, json_response, unless_disconnected
+from llmserve.server.tools import ToolCallParser, ToolPlan, plan_tools, with_tools
 
 
 class _Reply:
@@ -76,6 +77,7 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
         raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed with echo, to score the prompt)", "max_tokens")
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, prompt_logprobs)
+    await ctx.check_structured(params, body.structured()[1])
     gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache)
     return await _respond(gen, _CompletionReply(ctx, gen, body), body.stream)
 
@@ -135,13 +137,21 @@ async def create_chat_completion(request: Request) -> Response:
 
 async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float) -> Response:
     ctx.check_model(body.model)
-    ids = ctx.tokenizer.apply_chat_template(chat_messages(body.messages), body.add_generation_prompt)
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    messages, template_tools = with_tools(chat_messages(body.messages), plan, ctx.tokenizer.takes_tools)
+    ids = ctx.tokenizer.apply_chat_template(messages, body.add_generation_prompt, template_tools)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    asked_by = body.structured()[1]
+    if (tool_grammar := plan.structured()) is not None:
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(f"tool_choice {plan.choice!r} holds the output to tool calls; it cannot be combined with {asked_by}", asked_by)
+        params.structured_outputs, asked_by = tool_grammar, "tools"
+    await ctx.check_structured(params, asked_by)
     gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache)
-    return await _respond(gen, _ChatReply(ctx, gen, body), body.stream)
+    return await _respond(gen, _ChatReply(ctx, gen, body, plan), body.stream)
 
 
 async def _respond(gen: Generation, reply: _Reply, stream: bool) -> Response:
@@ -157,44 +167,73 @@ async def _respond(gen: Generation, reply: _Reply, stream: bool) -> Response:
 
 
 class _ChatReply(_Reply):
-    def __init__(self, ctx: ServerContext, gen: Generation, body: ChatCompletionRequest):
+    def __init__(self, ctx: ServerContext, gen: Generation, body: ChatCompletionRequest, plan: ToolPlan):
         super().__init__(ctx, gen, "chat.completion.chunk" if body.stream else "chat.completion", body.include_usage)
         self.body = body
         self.name = TokenNamer(ctx.tokenizer, body.return_tokens_as_token_ids)
+        names = {t.name for t in plan.tools}
+        self.parsers = {c.index: ToolCallParser(names) for c in gen.choices} if plan.parses else {}
 
     def _logprobs(self, token_ids: list[int], lps: list) -> dict | None:
         return {"content": chat_logprobs(self.name, token_ids, lps)} if self.body.logprobs else None
 
+    def _finish(self, c: Choice, finish: str | None) -> str | None:
+        parser = self.parsers.get(c.index)
+        return "tool_calls" if finish == "stop" and parser is not None and parser.calls else finish
+
     def full(self) -> dict:
-        choices = [
-            {
+        choices = []
+        for c in self.gen.choices:
+            message: dict = {"role": "assistant", "content": c.text}
+            parser = self.parsers.get(c.index)
+            if parser is not None:
+                content, calls = parser.feed(c.text)
+                content += parser.finish()
+                message = {"role": "assistant", "content": (content or None) if calls else content}
+                if calls:
+                    message["tool_calls"] = calls
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": self._finish(c, c.finish_reason),
                 "stop_reason": c.stop_reason,
-            }
-            for c in self.gen.choices
-        ]
+            })
         return self.envelope(choices, self.gen.usage(), final=True)
 
     def _chunk(self, c: Choice, delta: dict, d: Delta | None) -> bytes:
+        finish = self._finish(c, d.finish_reason) if d else None
         choice = {
             "index": c.index,
             "delta": delta,
             "logprobs": self._logprobs(d.token_ids, d.logprobs) if d else None,
-            "finish_reason": d.finish_reason if d else None,
+            "finish_reason": finish,
         }
-        if d and d.finish_reason:
+        if finish:
             choice["stop_reason"] = c.stop_reason
         return dumps(self.envelope([choice]))
+
+    def _delta(self, c: Choice, d: Delta) -> dict:
+        """The delta of one engine output: its text, or (with tools) content and finished calls."""
+        parser = self.parsers.get(c.index)
+        if parser is None:
+            return {"content": d.text} if d.text else {}
+        before = len(parser.calls)
+        content, calls = parser.feed(d.text)
+        if d.finish_reason:
+            content += parser.finish()
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": before + k, **call} for k, call in enumerate(calls)]
+        return delta
 
     async def stream(self) -> AsyncIterator[bytes]:
         for c in self.gen.choices:  # the role first, as OpenAI does
             yield self._chunk(c, {"role": "assistant", "content": ""}, None)
         async for c, d in self.gen.events():
-            if d.text or d.finish_reason or (d.token_ids and self.body.logprobs):
-                yield self._chunk(c, {"content": d.text} if d.text else {}, d)
+            delta = self._delta(c, d)
+            if delta or d.finish_reason or (d.token_ids and self.body.logprobs):
+                yield self._chunk(c, delta, d)
         for chunk in self.usage_chunk():
             yield chunk
 

@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from llmserve.errors import InvalidRequestError
-from llmserve.sampling import SamplingParams
+from llmserve.sampling import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import PayloadTooLargeError, UnsupportedMediaTypeError
+from llmserve.server.tools import call_blocks
 
 INT64 = 2**63 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -76,6 +77,33 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema"}."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(self.json_, self.regex, self.choice, self.grammar, bool(self.json_object))
+
+
 class SamplingFields(_Model):
     """Fields every generation endpoint shares (OpenAI's, plus vLLM's extras)."""
 
@@ -100,12 +128,43 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache: bool = True  # false: never answered from (nor stored in) the response cache
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output structure asked for and the parameter that asked (for errors)."""
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None}
+        given = [name for name, on in (("response_format", self.response_format is not None and self.response_format.type != "text"),
+                                        ("structured_outputs", self.structured_outputs is not None),
+                                        *((f"guided_{k}", True) for k in guided)) if on]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give only one of {', '.join(given)}", given[1])
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params(), "structured_outputs"
+        if guided:
+            (kind, value), = guided.items()
+            return StructuredOutputsParams(**{kind: value}), f"guided_{kind}"
+        if self.response_format is not None:
+            return _response_format(self.response_format), "response_format"
+        return None, ""
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        structured, asked_by = self.structured()
+        try:
+            return self._sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
+        except InvalidRequestError as e:
+            raise renamed(e, asked_by) from None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                         structured: StructuredOutputsParams | None) -> SamplingParams:
         def pick(v: Any, default: Any) -> Any:
             return default if v is None else v
 
@@ -116,8 +175,28 @@ class SamplingFields(_Model):
             logit_bias=_logit_bias(self.logit_bias), seed=self.seed, stop=pick(self.stop, []),
             stop_token_ids=pick(self.stop_token_ids, []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured,
         )
+
+
+def renamed(e: InvalidRequestError, asked_by: str) -> InvalidRequestError:
+    """An error about structured_outputs, named after the parameter the request used."""
+    if asked_by and e.param and e.param.startswith("structured_outputs") and asked_by != "structured_outputs":
+        e.param = asked_by
+        e.message = e.message.replace("structured_outputs", asked_by, 1)
+    return e
+
+
+def _response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format.json_schema.schema is required", "response_format.json_schema.schema")
+        return StructuredOutputsParams(json=rf.json_schema.schema_)
+    raise InvalidRequestError(f"response_format.type must be one of text, json_object, json_schema; got {rf.type!r}", "response_format.type")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -172,17 +251,27 @@ class ChatMessage(_Model):
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages for the chat template: [{"role", "content"}], roles and contents checked."""
+    """Messages for the chat template: [{"role", "content"}], roles and contents checked; an
+    assistant turn's tool_calls are shown as tool-call blocks after its content."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}", f"messages[{i}].role")
-    return [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(messages)]
+    out = []
+    for i, m in enumerate(messages):
+        text = m.text(f"messages[{i}]")
+        if m.role == "assistant" and m.tool_calls:
+            text = "\n".join(x for x in (text, call_blocks(m.tool_calls)) if x)
+        out.append({"role": m.role, "content": text})
+    return out
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None  # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False

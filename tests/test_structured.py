@@ -1,0 +1,194 @@
+"""Structured output and tools. A random-weight model is the hardest case: only the token mask
+makes its output valid. Sampled requests over JSON schemas, regexes and choices must all parse
+and validate; unconstrained rows batched with constrained ones are unchanged; the official openai
+client's parse() and tool calls work; bad structures get a 400 naming the parameter."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_harness import live_server, offline_llm
+
+from llmserve.sampling import SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.timeout(300)
+USER = [{"role": "user", "content": "hi"}]
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                                                "required": ["x", "y"], "additionalProperties": False},
+                                      "label": {"type": "string", "pattern": "^[a-z]{2,5}$"}},
+     "required": ["point"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 8}}, "required": ["ok"],
+     "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
+]
+REGEX = r"[A-Z]{2}-[0-9]{3}(-[a-z]{1,6})?"
+CHOICES = ["yes", "no", "it depends"]
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                      "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                     "required": ["a", "b"]}}},
+    {"type": "function", "function": {"name": "shout", "parameters": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10}},
+                                                                      "required": ["word"]}}},
+]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    with offline_llm(tiny_model) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with live_server(tiny_model) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def sampled(seed: int, so: StructuredOutputsParams, max_tokens: int = 256) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, structured_outputs=so)
+
+
+def test_sampled_json_regex_and_choice_outputs_are_valid(offline):
+    params = [sampled(i, StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)])) for i in range(50)]
+    params += [sampled(100 + i, StructuredOutputsParams(regex=REGEX)) for i in range(10)]
+    params += [sampled(200 + i, StructuredOutputsParams(choice=CHOICES)) for i in range(10)]
+    outs = offline.generate(["Once upon a time"] * len(params), params)
+    for i, o in enumerate(outs[:50]):
+        assert o.finish_reason == "stop", (i, o.text)
+        jsonschema.validate(json.loads(o.text), SCHEMAS[i % len(SCHEMAS)])
+    assert all(re.fullmatch(REGEX, o.text) and o.finish_reason == "stop" for o in outs[50:60]), [o.text for o in outs[50:60]]
+    assert all(o.text in CHOICES for o in outs[60:]), [o.text for o in outs[60:]]
+    assert len({o.text for o in outs[:50]}) > 25  # sampled, not one fixed answer
+
+
+def test_unconstrained_rows_are_unchanged_beside_constrained_ones(offline):
+    prompts = ["The river town", "Hello there", "A cat sat"]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    alone = [o.token_ids for o in offline.generate(prompts, greedy)]
+    mixed = offline.generate(prompts + prompts, [greedy] * 3 + [sampled(i, StructuredOutputsParams(json=SCHEMAS[i])) for i in range(3)])
+    assert [o.token_ids for o in mixed[:3]] == alone
+    assert all(o.finish_reason == "stop" for o in mixed[3:])
+
+
+def test_http_routes_take_every_spelling(server):
+    schema = SCHEMAS[0]
+    bodies = {
+        "/v1/chat/completions": [{"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
+                                 {"messages": USER, "guided_json": schema},
+                                 {"messages": USER, "response_format": {"type": "json_object"}}],
+        "/v1/completions": [{"prompt": "x", "structured_outputs": {"json": json.dumps(schema)}},
+                            {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}],
+        "/generate": [{"prompt": "x", "structured_outputs": {"json": schema}}],
+    }
+    for path, variants in bodies.items():
+        for seed, body in enumerate(variants):
+            r = httpx.post(server.url + path, json={**body, "max_tokens": 200, "temperature": 1, "seed": seed}, timeout=120)
+            assert r.status_code == 200, (path, body, r.text)
+            doc = r.json()
+            text = doc["generated_text"] if path == "/generate" else doc["choices"][0].get("message", doc["choices"][0]).get("content") or doc["choices"][0].get("text")
+            if "json_object" in json.dumps(body):  # any object: a random model may write one until max_tokens
+                assert text.startswith("{") and (doc["choices"][0]["finish_reason"] == "length" or isinstance(json.loads(text), dict))
+            else:
+                jsonschema.validate(json.loads(text), schema)
+    for kind, so, check in (("regex", {"regex": REGEX}, lambda t: re.fullmatch(REGEX, t)), ("choice", {"guided_choice": CHOICES}, lambda t: t in CHOICES)):
+        body = {"prompt": "x", "max_tokens": 40, "temperature": 1, "seed": 3, **(so if kind == "choice" else {"structured_outputs": so})}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and check(r.json()["choices"][0]["text"]), r.text
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=10)
+    legs: int = Field(ge=0, le=8)
+    kind: str = Field(pattern="^(cat|dog|bird)$")
+
+
+def test_openai_client_parse_returns_the_model(server, client):
+    r = client.chat.completions.parse(model=server.model, messages=USER, response_format=Pet, max_tokens=200, temperature=1, seed=4)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8 and pet.kind in ("cat", "dog", "bird")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "shout"}}], ids=["required", "named"])
+def test_tool_calls_validate_and_stream_to_the_same_call(server, client, tool_choice):
+    kw = dict(model=server.model, messages=USER, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+              max_tokens=200, temperature=1, seed=7)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+    call = c.message.tool_calls[0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "shout"
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert call.id.startswith("call_") and call.type == "function"
+    # streamed, the deltas reassemble to the same call
+    name, args, finish = None, "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0
+            name = d.function.name or name
+            args += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, args, finish) == (call.function.name, call.function.arguments, "tool_calls")
+
+
+def test_auto_parses_hermes_calls_and_history_is_accepted(server, client):
+    # a grammar stands in for a model that decides to call a tool: "auto" parses what it wrote
+    grammar = 'start: "Sure. <tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": 1, \\"b\\": 2}}\\n</tool_call>"'
+    r = client.chat.completions.create(model=server.model, messages=USER, tools=TOOLS, max_tokens=60, temperature=0,
+                                       extra_body={"structured_outputs": {"grammar": grammar}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Sure. "
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [("add", {"a": 1, "b": 2})]
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in c.message.tool_calls]},
+               {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": "3"}]
+    follow = client.chat.completions.create(model=server.model, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.tool_calls is None
+
+
+CHAT = "/v1/chat/completions"
+ERRORS = [
+    ("malformed schema", CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, "response_format"),
+    ("unknown type", CHAT, {"structured_outputs": {"json": {"type": "objekt"}}}, "structured_outputs"),
+    ("unsupported keyword", CHAT, {"guided_json": {"type": "string", "format": "no-such-format"}}, "guided_json"),
+    ("schema missing", CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ("unknown response_format", CHAT, {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("empty choice", CHAT, {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("empty guided_choice", "/v1/completions", {"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ("bad regex", CHAT, {"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ("bad grammar", "/generate", {"prompt": "x", "structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
+    ("bad GBNF", CHAT, {"guided_grammar": "root ::= ("}, "guided_grammar"),
+    ("two kinds", CHAT, {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("response_format and structured_outputs", CHAT, {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ("unknown tool in tool_choice", CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("tool_choice without tools", CHAT, {"tool_choice": "required"}, "tool_choice"),
+    ("bad tool_choice", CHAT, {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ("tool not a function", CHAT, {"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ("tool name", CHAT, {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ("tools required with a format", CHAT, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+def test_bad_structures_get_a_400_naming_the_parameter(server):
+    for name, path, body, param in ERRORS:
+        body = {**({"messages": USER} if path == CHAT else {}), **body}
+        r = httpx.post(server.url + path, json={"max_tokens": 4, **body}, timeout=60)
+        assert r.status_code == 400, (name, r.status_code, r.text)
+        assert r.json()["error"]["param"] == param, (name, r.json())
+    assert server.stats().num_running == 0 and server.ctx.client.alive
