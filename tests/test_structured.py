@@ -6,7 +6,10 @@ client's parse() and tool calls work; bad structures get a 400 naming the parame
 from __future__ import annotations
 
 import json
+import random
 import re
+import shutil
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -86,6 +89,35 @@ def test_unconstrained_rows_are_unchanged_beside_constrained_ones(offline):
     assert all(o.finish_reason == "stop" for o in mixed[3:])
 
 
+def test_matchers_survive_preemption_and_chunked_prefill(tiny_model):
+    """Seeded constrained outputs are the same on a roomy engine and on a cramped one that
+    preempts (recomputing prompt + output) and prefills in small chunks; all stay valid."""
+    from llmserve.engine.llm import LLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(40, 100))] for _ in range(8)]
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 30, "maxItems": 30}
+    params = [sampled(i, StructuredOutputsParams(json=digits), max_tokens=120) for i in range(len(prompts))]
+    roomy = [o.text for o in LLM(tiny_model, num_threads=1).generate(prompts, params)]
+    cramped = LLM(tiny_model, num_threads=1, num_blocks=30, block_size=8, max_num_batched_tokens=32)
+    got = [o.text for o in cramped.generate(prompts, params)]
+    assert cramped.get_stats().num_preemptions > 0
+    assert got == roomy
+    for text in got:
+        jsonschema.validate(json.loads(text), digits)
+
+
+def test_n_logprobs_and_stop_strings_with_a_grammar(server):
+    body = {"prompt": "x", "n": 4, "max_tokens": 40, "temperature": 1, "seed": 11, "logprobs": 2, "structured_outputs": {"choice": CHOICES}}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert len(r["choices"]) == 4 and all(c["text"] in CHOICES and c["finish_reason"] == "stop" for c in r["choices"])
+    assert all("".join(c["logprobs"]["tokens"]) == c["text"] and len(c["logprobs"]["top_logprobs"][0]) >= 2 for c in r["choices"])
+    # a stop string inside the structure ends the output there, and is not shown
+    body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "stop": ["depends"], "structured_outputs": {"choice": ["it depends"]}}
+    c = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert (c["text"], c["finish_reason"], c["stop_reason"]) == ("it ", "stop", "depends")
+
+
 def test_http_routes_take_every_spelling(server):
     schema = SCHEMAS[0]
     bodies = {
@@ -160,6 +192,29 @@ def test_auto_parses_hermes_calls_and_history_is_accepted(server, client):
                {"role": "tool", "tool_call_id": c.message.tool_calls[0].id, "content": "3"}]
     follow = client.chat.completions.create(model=server.model, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0)
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.tool_calls is None
+
+
+def test_tools_reach_a_template_that_takes_them(tiny_model, tmp_path):
+    """A chat template that renders `tools` gets them; one that does not (the tiny model's)
+    gets them in a system message instead."""
+    from llmserve.server.tools import plan_tools, with_tools
+    from llmserve.tokenizer import Tokenizer
+
+    plan = plan_tools(TOOLS, "auto", True)
+    plain = Tokenizer(Path(tiny_model))
+    msgs, template_tools = with_tools(list(USER), plan, plain.takes_tools)
+    assert not plain.takes_tools and template_tools is None
+    assert msgs[0]["role"] == "system" and '"name": "add"' in msgs[0]["content"] and msgs[1:] == USER
+    model = tmp_path / "with-tools"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if tools %}<|im_start|>system\nTOOLS {{ tools | tojson }}<|im_end|>\n{% endif %}" + config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(model)
+    msgs, template_tools = with_tools(list(USER), plan, tok.takes_tools)
+    assert tok.takes_tools and msgs == USER and [t["function"]["name"] for t in template_tools] == ["add", "shout"]
+    text = tok.decode(tok.apply_chat_template(msgs, True, template_tools), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nTOOLS [") and '"shout"' in text
 
 
 CHAT = "/v1/chat/completions"

@@ -126,8 +126,11 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
     ) -> Request:
-        """Validate (typed errors) and queue a request; the live Request, for in-process callers."""
+        """Validate (typed errors, a grammar that does not compile among them) and queue a
+        request; the live Request, for in-process callers."""
         arrival = time.time() if arrival_time is None else arrival_time
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         return self.add(make_core_request(self.info, request_id, prompt_token_ids, params, arrival))
 
     def add(self, core: EngineCoreRequest) -> Request:
@@ -157,7 +160,7 @@ class LLMEngine:
                 try:
                     req.matcher = fut.result()
                     error = req.matcher.get_error() if req.matcher.is_error() else None
-                except Exception as e:  # an invalid grammar the server did not see (offline callers)
+                except Exception as e:  # checked before it came here: not expected
                     error = getattr(e, "message", str(e))
             if error is None:
                 self.scheduler.add_request(req)
@@ -170,16 +173,14 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.requests.get(request_id)
-        if req is None:
+        if req is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        else:  # maybe still waiting for its grammar
             req = next((r for r, _ in self.compiling if r.request_id == request_id), None)
             if req is None:
                 return
             self.compiling = [(r, f) for r, f in self.compiling if r is not req]
             req.status = RequestStatus.FINISHED_ABORTED
-            self.pending.append(self._output(req, [], "", [], time.time()))
-            self._forget(request_id)
-            return
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self.pending.append(self._output(req, [], "", [], time.time()))
         self._forget(request_id)
 
