@@ -166,7 +166,7 @@ def test_inductor_matches_eager_on_smollm2(smollm):
     """The default model, float32: compiled and eager give identical greedy tokens on 16 mixed
     requests (prompts of different lengths; decode batches of every size from 16 down)."""
     sentences = [s.strip() + "." for s in ENGLISH.split(".") if len(s.strip()) > 20]
-    prompts = [" ".join(sentences[i : i + 1 + i % 3]) for i in range(16)]
+    prompts = [" ".join(sentences[(i + k) % len(sentences)] for k in range(1 + i % 3)) for i in range(16)]
     params = [SamplingParams(max_tokens=8 + 2 * i, temperature=0, ignore_eos=True) for i in range(16)]
     eager = [o.token_ids for o in LLM(None, compile="none", max_num_seqs=16).generate(prompts, params)]
     compiled = LLM(None, compile="inductor", max_num_seqs=16)
