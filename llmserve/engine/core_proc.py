@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import time
+from collections import deque
 
 from llmserve import errors
 from llmserve.engine.messages import (
@@ -40,11 +41,14 @@ from llmserve.memory import release_free_memory
 logger = logging.getLogger("llmserve.engine")
 IDLE_WAIT_S = 1.0  # an idle core re-checks its pipe this often (it wakes at once on a message)
 TRIM_AFTER_IDLE_S = 10.0
+STEP_RECORDS_KEPT = 1024
 
 
 class EngineCoreProc:
     def __init__(self, engine, in_fd: int, out_fd: int, reader: FrameReader, pending: list):
         self.engine = engine  # LLMEngine
+        # only the last step's records are sent on: a long-running core keeps no history
+        engine.step_records = deque(engine.step_records, maxlen=STEP_RECORDS_KEPT)
         self.in_fd, self.out_fd, self.reader = in_fd, out_fd, reader
         self.num_added = 0
         self.num_added_tokens = 0
