@@ -244,8 +244,13 @@ class LLMEngine:
         if detok.stop_string is not None:
             req.stop_reason = detok.stop_string
             return RequestStatus.FINISHED_STOPPED
-        if req.matcher is not None and req.matcher.is_stopped():  # the structure is complete
-            return RequestStatus.FINISHED_STOPPED
+        if req.matcher is not None:
+            if req.matcher.is_error():  # a parser limit hit mid-way (masked tokens never break it)
+                req.stop_reason = f"structured output failed: {req.matcher.get_error()}"
+                logger.warning("request %s: %s", req.request_id, req.stop_reason)
+                return RequestStatus.FINISHED_ABORTED
+            if req.matcher.is_stopped():  # the structure is complete
+                return RequestStatus.FINISHED_STOPPED
         if n_out >= p.min_tokens:
             if token in req.eos_token_ids and not p.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
