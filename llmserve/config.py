@@ -55,6 +55,7 @@ class ServerConfig:
     response_cache: bool = _opt(True, "cache whole responses of deterministic requests")
     response_cache_ttl: int = _opt(3600, "response cache TTL in seconds")
     response_cache_bytes: int = _opt(64 << 20, "in-process response cache bound in bytes")
+    embedding_backend: str = _opt("onnxruntime", "how /v1/embeddings runs its model", ("onnxruntime", "torch"))
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
 

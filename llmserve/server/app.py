@@ -37,7 +37,7 @@ from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.client import EngineClient
 from llmserve.errors import EngineDeadError, LLMServeError
-from llmserve.server import native, openai, openapi, stats
+from llmserve.server import embeddings, native, openai, openapi, stats
 from llmserve.server.context import ServerContext, get_context
 from llmserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -120,7 +120,7 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
                 await ctx.response_cache.close()
 
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *stats.routes, *openapi.routes],
+        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *embeddings.routes, *stats.routes, *openapi.routes],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 
@@ -34,6 +35,7 @@ class ServerContext:
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set at startup
     grammars: GrammarCompiler | None = None  # checks structured-output grammars (400 on a bad one)
+    embedder: Any = None  # llmserve.embeddings.EmbeddingModel, loaded by the first /v1/embeddings request
     _deadline: asyncio.TimerHandle | None = field(default=None, init=False)  # aborts what is left
 
     @property

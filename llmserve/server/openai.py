@@ -13,8 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llmserve.embeddings import MAX_TOKENS as EMBEDDING_MAX_TOKENS
+from llmserve.embeddings import MODEL_NAME as EMBEDDING_MODEL
 from llmserve.errors import InvalidRequestError
 from llmserve.server.context import ServerContext, get_context, new_id
+from llmserve.server.embeddings import available as embeddings_available
 from llmserve.server.generation import Choice, Delta, Generation
 from llmserve.server.logprobs import (
     TokenNamer,
@@ -241,26 +244,29 @@ class _ChatReply(_Reply):
 # ---- /v1/models -----------------------------------------------------------------------------
 
 
-def model_card(ctx: ServerContext) -> dict:
-    return {
-        "id": ctx.model_name,
-        "object": "model",
-        "created": ctx.created,
-        "owned_by": "llmserve",
-        "root": ctx.client.info.model_dir,
-        "parent": None,
-        "max_model_len": ctx.max_model_len,
-    }
+def model_cards(ctx: ServerContext) -> list[dict]:
+    """The served model, and the embedding model when it is installed."""
+    def card(name: str, root: str, max_len: int) -> dict:
+        return {"id": name, "object": "model", "created": ctx.created, "owned_by": "llmserve", "root": root,
+                "parent": None, "max_model_len": max_len}
+
+    cards = [card(ctx.model_name, ctx.client.info.model_dir, ctx.max_model_len)]
+    if embeddings_available():
+        cards.append(card(EMBEDDING_MODEL, EMBEDDING_MODEL, EMBEDDING_MAX_TOKENS))
+    return cards
 
 
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [model_card(get_context(request))]})
+    return JSONResponse({"object": "list", "data": model_cards(get_context(request))})
 
 
 async def retrieve_model(request: Request) -> Response:
     ctx = get_context(request)
-    ctx.check_model(request.path_params["model"])
-    return JSONResponse(model_card(ctx))
+    name = request.path_params["model"]
+    card = next((c for c in model_cards(ctx) if c["id"] == name), None)
+    if card is None:
+        ctx.check_model(name)  # the 404
+    return JSONResponse(card)
 
 
 routes = [

@@ -23,6 +23,7 @@ from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     GenerateRequest,
     TokenizeRequest,
 )
@@ -65,6 +66,7 @@ OPERATIONS = (
     Operation("/v1/completions", "post", "Text completion (OpenAI)", CompletionRequest, streams=True),
     Operation("/v1/chat/completions", "post", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
     Operation("/generate", "post", "Generate with per-token timings", GenerateRequest, streams=True),
+    Operation("/v1/embeddings", "post", "Text embeddings with all-MiniLM-L6-v2 (OpenAI)", EmbeddingRequest, errors=(400, 401, 404, 413, 415)),
     Operation("/tokenize", "post", "Prompt or chat messages to token ids (vLLM)", TokenizeRequest, errors=(400, 401, 404, 413, 415)),
     Operation("/detokenize", "post", "Token ids to text (vLLM)", DetokenizeRequest, errors=(400, 401, 404, 413, 415)),
     Operation("/v1/models", "get", "The served model (OpenAI)", errors=(401,)),

@@ -307,3 +307,13 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Model):
+    """OpenAI's /v1/embeddings body (text input only)."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
