@@ -87,7 +87,8 @@ class EmbeddingModel:
         except ImportError:
             logger.warning("onnxruntime is not installed: embeddings run in torch")
             return None
-        from llmserve.model.loader import fingerprint  # here: the server process loads no model code until it embeds
+        # imported here: the server process loads no model code until it embeds
+        from llmserve.model.loader import fingerprint
 
         path = paths.cache_dir("onnx") / f"{MODEL_NAME}-{fingerprint(folder)}.onnx"
         if not path.exists():

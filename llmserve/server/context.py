@@ -36,6 +36,7 @@ class ServerContext:
     loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set at startup
     grammars: GrammarCompiler | None = None  # checks structured-output grammars (400 on a bad one)
     embedder: Any = None  # llmserve.embeddings.EmbeddingModel, loaded by the first /v1/embeddings request
+    embedder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _deadline: asyncio.TimerHandle | None = field(default=None, init=False)  # aborts what is left
 
     @property

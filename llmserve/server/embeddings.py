@@ -21,7 +21,6 @@ from llmserve.server.errors import NotFoundError
 from llmserve.server.protocol import EmbeddingRequest, read_json
 
 MAX_INPUTS = 2048
-_LOCK = asyncio.Lock()
 
 
 def available() -> bool:
@@ -29,7 +28,7 @@ def available() -> bool:
 
 
 async def _model(ctx: ServerContext) -> EmbeddingModel:
-    async with _LOCK:
+    async with ctx.embedder_lock:
         if ctx.embedder is None:
             ctx.embedder = await asyncio.to_thread(EmbeddingModel, ctx.config.embedding_backend, None, 1)
         return ctx.embedder
