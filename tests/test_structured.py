@@ -13,10 +13,8 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_harness import live_server, offline_llm
 
 from llmserve.sampling import SamplingParams, StructuredOutputsParams
 
@@ -44,23 +42,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "shout", "parameters": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10}},
                                                                       "required": ["word"]}}},
 ]
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    with offline_llm(tiny_model) as llm:
-        yield llm
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with live_server(tiny_model) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def sampled(seed: int, so: StructuredOutputsParams, max_tokens: int = 256) -> SamplingParams:
