@@ -19,12 +19,6 @@ pytestmark = pytest.mark.timeout(120)
 VOLATILE = ("id", "created")  # differ between any two responses
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with live_server(tiny_model) as s:
-        yield s
-
-
 def post(url: str, path: str, body: dict) -> httpx.Response:
     r = httpx.post(url + path, json=body, timeout=60)
     assert r.status_code == 200, r.text

@@ -9,15 +9,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import live_server, sse_data, wait_for
+from tests.server_harness import sse_data, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with live_server(tiny_model) as s:
-        yield s
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

@@ -10,24 +10,12 @@ import time
 
 import httpx
 import pytest
-from server_harness import live_server, offline_llm, sse_data, wait_for
+from server_harness import live_server, sse_data, wait_for
 
 from llmserve.engine.llm import LLM
 from llmserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    with live_server(tiny_model) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model):
-    with offline_llm(tiny_model) as llm:
-        yield llm
 
 
 async def stream_texts(url: str, body: dict) -> tuple[list[str], dict]:
