@@ -82,26 +82,30 @@ class GrammarCompiler:
         """The grammar for `so`, compiled once against the vocabulary; 400 naming `param` if it
         does not compile (a malformed schema, an unsupported keyword, a bad regex or grammar)."""
         grammar = grammar_of(so)
-        matcher = self.matcher(grammar)
-        if matcher.is_error():
-            raise InvalidRequestError(f"{param}: {_first_line(matcher.get_error())}", param)
+        pristine = self._pristine_matcher(grammar)
+        if pristine.is_error():
+            raise InvalidRequestError(f"{param}: {_first_line(pristine.get_error())}", param)
         return grammar
 
     def matcher(self, grammar: str):
-        """A fresh matcher (in an error state if the grammar does not compile); cached."""
+        """A fresh matcher for one request (in an error state if the grammar does not compile)."""
+        return self._pristine_matcher(grammar).deep_copy()
+
+    def _pristine_matcher(self, grammar: str):
+        """The cached, never-advanced matcher of `grammar` (compiled on a miss)."""
         from llguidance import LLMatcher
 
         with self._lock:
             pristine = self._pristine.get(grammar)
             if pristine is not None:
                 self._pristine.move_to_end(grammar)
-                return pristine.deep_copy()
+                return pristine
         pristine = LLMatcher(self.tokenizer, grammar, log_level=0)  # releases the GIL while it compiles
         with self._lock:
             self._pristine[grammar] = pristine
             while len(self._pristine) > CACHE_ENTRIES:
                 self._pristine.popitem(last=False)
-        return pristine.deep_copy()
+        return pristine
 
 
 def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
