@@ -55,7 +55,10 @@ class ServerConfig:
     response_cache: bool = _opt(True, "cache whole responses of deterministic requests")
     response_cache_ttl: int = _opt(3600, "response cache TTL in seconds")
     response_cache_bytes: int = _opt(64 << 20, "in-process response cache bound in bytes")
-    embedding_backend: str = _opt("onnxruntime", "how /v1/embeddings runs its model", ("onnxruntime", "torch"))
+    embedding_backend: str = _opt("onnxruntime", "how the embedding model runs (/v1/embeddings, semantic cache)", ("onnxruntime", "torch"))
+    semantic_cache: bool = _opt(False, "answer a question asked again in other words from the response cache")
+    semantic_threshold: float = _opt(0.80, "least cosine of two questions for a semantic hit (their key terms must match too)")
+    semantic_cache_size: int = _opt(10000, "most semantic cache entries (questions) kept")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
 

@@ -216,15 +216,20 @@ class ResponseCache:
         self._writes: set[asyncio.Task] = set()  # Redis writes in flight (strong references)
 
     async def lookup(self, key: str, num_choices: int) -> ResponseRecord | None:
-        raw = self.local.get(key) if self.local is not None else await self.redis.get(key)  # type: ignore[union-attr]
-        record = decode_record(raw, key) if raw is not None else None
-        if raw is not None and (record is None or len(record.choices) != num_choices):
-            record = None
-            self.stats.rejected += 1
+        record = await self.get(key, num_choices)
         if record is None:
             self.stats.misses += 1
         else:
             self.stats.hits += 1
+        return record
+
+    async def get(self, key: str, num_choices: int) -> ResponseRecord | None:
+        """The record under `key` (None if absent or unusable), without counting a hit or miss."""
+        raw = self.local.get(key) if self.local is not None else await self.redis.get(key)  # type: ignore[union-attr]
+        record = decode_record(raw, key) if raw is not None else None
+        if raw is not None and (record is None or len(record.choices) != num_choices):
+            self.stats.rejected += 1
+            return None
         return record
 
     def store(self, key: str, record: ResponseRecord) -> None:

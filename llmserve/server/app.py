@@ -46,6 +46,7 @@ from llmserve.server.errors import (
     error_response,
 )
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.semantic import make_semantic_cache, start_semantic_cache
 from llmserve.structured import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
@@ -95,8 +96,9 @@ async def health(request: Request) -> Response:
 def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     """The app over the engine behind `client` (launched, not yet started); its lifespan attaches
     the client to the loop and stops the core process at the end.
-    app.state.ctx (ServerContext) holds the client, the tokenizer, the config and the response
-    cache (in process, or in Redis when the engine has a --redis-url)."""
+    app.state.ctx (ServerContext) holds the client, the tokenizer, the config, the response cache
+    (in process, or in Redis when the engine has a --redis-url) and the semantic cache in front of
+    it (--semantic-cache; its entries shared through the same Redis)."""
     engine_config = client.config
     cache = make_response_cache(config.response_cache, config.response_cache_ttl, config.response_cache_bytes,
                                 engine_config.redis_url, engine_config.redis_timeout)
@@ -104,20 +106,23 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     ctx = ServerContext(client, tokenizer, config, cache)
     ctx.grammars = GrammarCompiler(tokenizer.fast.to_str(), client.info.vocab_size, client.info.eos_token_ids)
     metrics = ServerMetrics()
-    metrics.attach(client, lambda: ctx.response_cache_stats)
+    ctx.semantic_cache = make_semantic_cache(ctx, config, engine_config.redis_url, engine_config.redis_timeout, metrics.embedding.observe)
+    metrics.attach(client, lambda: ctx.response_cache_stats, ctx.semantic_cache and (lambda: ctx.semantic_cache.stats))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
         await client.start()
+        await start_semantic_cache(ctx)
         logger.info("serving %s (context %d tokens)", ctx.model_name, ctx.max_model_len)
         try:
             yield
         finally:
             client.abort_all()
             await client.shutdown()
-            if ctx.response_cache is not None:
-                await ctx.response_cache.close()
+            for cache in (ctx.response_cache, ctx.semantic_cache):
+                if cache is not None:
+                    await cache.close()
 
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *embeddings.routes, *stats.routes, *openapi.routes],

@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 
 from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
+from llmserve.cache.semantic_cache import SemanticCache
 from llmserve.config import ServerConfig
 from llmserve.engine.client import EngineClient
 from llmserve.errors import InvalidRequestError
@@ -31,11 +32,12 @@ class ServerContext:
     tokenizer: Tokenizer
     config: ServerConfig
     response_cache: ResponseCache | None = None  # None: --no-response-cache
+    semantic_cache: SemanticCache | None = None  # --semantic-cache (its model loads at start-up)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
     loop: asyncio.AbstractEventLoop | None = None  # the server's loop, set at startup
     grammars: GrammarCompiler | None = None  # checks structured-output grammars (400 on a bad one)
-    embedder: Any = None  # llmserve.embeddings.EmbeddingModel, loaded by the first /v1/embeddings request
+    embedder: Any = None  # llmserve.embeddings.EmbeddingModel, loaded by the first request that embeds
     embedder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _deadline: asyncio.TimerHandle | None = field(default=None, init=False)  # aborts what is left
 

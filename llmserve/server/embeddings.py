@@ -27,7 +27,8 @@ def available() -> bool:
     return default_model_dir() is not None
 
 
-async def _model(ctx: ServerContext) -> EmbeddingModel:
+async def embedding_model(ctx: ServerContext) -> EmbeddingModel:
+    """The server's one embedding model (shared with the semantic cache), loaded once."""
     async with ctx.embedder_lock:
         if ctx.embedder is None:
             ctx.embedder = await asyncio.to_thread(EmbeddingModel, ctx.config.embedding_backend, None, 1)
@@ -59,7 +60,7 @@ async def create_embeddings(request: Request) -> Response:
     texts = _texts(body)
     if not available():
         raise NotFoundError(f"the embedding model is not installed on this server ({INSTALL_HINT})", "model", "model_not_found")
-    model = await _model(ctx)
+    model = await embedding_model(ctx)
     vectors, counts = await asyncio.to_thread(model.encode, texts)
     data = [
         {"object": "embedding", "index": i,

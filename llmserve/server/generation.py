@@ -11,7 +11,10 @@ Generation must close it: the SSE response does so when the stream ends or the c
 Response cache (the one place in front of the engine): a deterministic request (temperature 0
 or a seed, n == 1, not opted out) is looked up in `start()`; a hit replays the recorded engine
 outputs instead of submitting anything (cache_status "hit"); a miss records its outputs and,
-once every choice finished without an abort, stores them.
+once every choice finished without an abort, stores them. With the semantic cache on, a route
+may also pass the request's question (SemanticQuery): after an exact miss, an earlier answer to
+the same question in other words is replayed (cache_status "semantic-hit"), and a miss's answer
+is filed under its question too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from llmserve.cache.response_cache import ResponseRecord, cache_key
+from llmserve.cache.semantic_cache import SemanticLookup, SemanticQuery
 from llmserve.engine.client import EngineCoreRequest
 from llmserve.engine.outputs import RequestOutput, Timeline, TokenLogprobs
 from llmserve.sampling import SamplingParams, fan_out
@@ -31,7 +35,8 @@ from llmserve.server.context import ServerContext
 from llmserve.server.errors import ShuttingDownError
 from llmserve.server.replay import record_choice, replay_choice
 
-CACHE_HEADER = "x-llmserve-cache"  # on every generation response: "hit" or "miss"
+CACHE_HEADER = "x-llmserve-cache"  # on every generation response: "hit", "semantic-hit" or "miss"
+SIMILARITY_HEADER = "x-llmserve-similarity"  # on a semantic hit: the cosine of the two questions
 
 
 @dataclass(slots=True)
@@ -77,6 +82,7 @@ class Generation:
         arrival: float | None = None,
         score_only: bool = False,  # max_tokens 0: run one step for the prompt logprobs, drop the token
         use_cache: bool = True,  # the request's "cache" field
+        semantic: SemanticQuery | None = None,  # the question, where the route allows a semantic hit
     ):
         self.ctx = ctx
         self.request_id = request_id
@@ -93,6 +99,9 @@ class Generation:
         self._buffer: deque[tuple[int, RequestOutput]] = deque()  # first deltas, read by start()
         self.cache_key = self._cache_key(params, use_cache)
         self.cache_status = "miss"  # "hit": answered from the response cache
+        self.semantic_scope = self._semantic_scope(params, semantic)
+        self.semantic = semantic
+        self._semantic_lookup: SemanticLookup | None = None
         # engine outputs per choice, kept while a cacheable request runs
         self._recorded: list[list[RequestOutput]] | None = [[] for _ in self.choices] if self.cache_key else None
 
@@ -104,14 +113,26 @@ class Generation:
             max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids),
         )
 
+    def _semantic_scope(self, params: SamplingParams, query: SemanticQuery | None) -> str | None:
+        """Everything but the question that a semantic hit must share (None: not eligible)."""
+        if query is None or self.cache_key is None or self.ctx.semantic_cache is None or len(self.prompts) != 1 or self.score_only:
+            return None
+        return cache_key(
+            self.ctx.client.info.fingerprint, [], params.canonical(), semantic=query.context,
+            max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids),
+        )
+
     @property
     def headers(self) -> dict[str, str]:
-        return {CACHE_HEADER: self.cache_status}
+        headers = {CACHE_HEADER: self.cache_status}
+        if self._semantic_lookup is not None and self._semantic_lookup.match is not None and self.cache_status == "semantic-hit":
+            headers[SIMILARITY_HEADER] = f"{self._semantic_lookup.match.similarity:.4f}"
+        return headers
 
     async def start(self) -> None:
         if self.ctx.draining:
             raise ShuttingDownError("the server is shutting down")
-        if self.cache_key is not None and await self._replay():
+        if self.cache_key is not None and (await self._replay() or await self._replay_similar()):
             return
         try:
             for c in self.choices:
@@ -133,11 +154,30 @@ class Generation:
         record = await self.ctx.response_cache.lookup(self.cache_key, len(self.choices))  # type: ignore[union-attr, arg-type]
         if record is None:
             return False
-        self.cache_status, self._recorded = "hit", None
+        self._queue_record(record, "hit")
+        return True
+
+    async def _replay_similar(self) -> bool:
+        """After an exact miss: the answer to the same question asked in other words."""
+        if self.semantic_scope is None:
+            return False
+        cache = self.ctx.semantic_cache
+        self._semantic_lookup = lookup = await cache.lookup(self.semantic_scope, self.semantic.text)  # type: ignore[union-attr]
+        if lookup.match is None:
+            return False
+        record = await self.ctx.response_cache.get(lookup.match.entry.response_key, len(self.choices))  # type: ignore[union-attr]
+        cache.count_hit(record is not None)  # type: ignore[union-attr]
+        if record is None:  # the answer expired or Redis is away: a miss
+            lookup.match = None
+            return False
+        self._queue_record(record, "semantic-hit")
+        return True
+
+    def _queue_record(self, record: ResponseRecord, status: str) -> None:
+        self.cache_status, self._recorded = status, None
         now = time.time()
         for c, cached in zip(self.choices, record.choices, strict=True):
             self._buffer.extend((c.index, out) for out in replay_choice(cached, c.request, now))
-        return True
 
     def _store(self) -> None:
         if self._recorded is None or any(c.finish_reason == "abort" for c in self.choices):
@@ -145,6 +185,8 @@ class Generation:
         choices = [record_choice(outs, c.prompt_logprobs) for outs, c in zip(self._recorded, self.choices, strict=True)]
         self.ctx.response_cache.store(self.cache_key, ResponseRecord(choices))  # type: ignore[union-attr, arg-type]
         self._recorded = None
+        if self._semantic_lookup is not None:
+            self.ctx.semantic_cache.store(self._semantic_lookup, self.cache_key)  # type: ignore[union-attr, arg-type]
 
     def _on_output(self, index: int, item: RequestOutput | BaseException) -> None:
         """The engine client's sink for one child (loop thread): an output, or its death."""

@@ -3,8 +3,9 @@
 Feeds: `on_step(outputs, stats, step_durations)` runs on the server's loop once per engine step
 (an EngineClient step listener: the StepOutputs the core sent); `on_rejected()` per 429;
 `render()` refreshes the gauges from the latest engine stats, counts the response cache's
-hits/misses/errors since the last scrape (ResponseCacheStats, the cache's own tally), and
-serializes.
+hits/misses/errors since the last scrape (ResponseCacheStats, the cache's own tally; the
+semantic cache's likewise), and serializes. The semantic cache times each embedding into a
+histogram itself.
 
 What is observed when:
 - generation tokens: every step, as tokens are emitted; prompt tokens: when a request's first
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -49,12 +51,14 @@ disable_created_metrics()
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
            1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 FINISH_REASONS = ("stop", "length")
-CACHES = ("response", "kv_store")
+CACHES = ("response", "kv_store", "semantic")
 # cumulative EngineStats fields, the keys the KV store reports in EngineStats.kv_store (its
 # contract: cumulative counts under these names) and ResponseCacheStats fields -> our counter
 ENGINE_COUNTERS = {"num_preemptions": "preemptions", "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits"}
 KV_STORE_COUNTERS = {"blocks_read": "kv_store_read", "blocks_written": "kv_store_written", "errors": "kv_store_errors"}
 RESPONSE_CACHE_COUNTERS = {"hits": "response_cache_hits", "misses": "response_cache_misses", "errors": "response_cache_errors"}
+SEMANTIC_CACHE_COUNTERS = {"hits": "semantic_cache_hits", "misses": "semantic_cache_misses", "errors": "semantic_cache_errors"}
+TallySource = Callable[[], Any]  # a cache's cumulative tally (ResponseCacheStats, SemanticCacheStats)
 
 
 class ServerMetrics:
@@ -64,7 +68,9 @@ class ServerMetrics:
         response_cache_source: the response cache's cumulative tally."""
         self.registry = r = CollectorRegistry()
         self.stats_source = stats_source
-        self.response_cache_source = response_cache_source
+        self.tallies: dict[str, tuple[TallySource, dict[str, str]]] = {}  # name -> (source, field -> counter)
+        if response_cache_source is not None:
+            self.tallies["response_cache"] = (response_cache_source, RESPONSE_CACHE_COUNTERS)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(f"llmserve:{name}", doc, buckets=BUCKETS, registry=r)
@@ -95,6 +101,9 @@ class ServerMetrics:
         # caches at the edges (response cache in front of the engine, KV store behind it)
         self.response_cache_hits = counter("response_cache_hits", "Response cache hits.")
         self.response_cache_misses = counter("response_cache_misses", "Response cache misses (eligible requests).")
+        self.semantic_cache_hits = counter("semantic_cache_hits", "Requests answered with the answer to the same question in other words.")
+        self.semantic_cache_misses = counter("semantic_cache_misses", "Semantic cache lookups not answered (after an exact miss).")
+        self.embedding = hist("semantic_cache_embedding_seconds", "Embedding one question for the semantic cache.")
         self.kv_store_read = counter("kv_store_blocks_read", "KV blocks read from the KV store.")
         self.kv_store_written = counter("kv_store_blocks_written", "KV blocks written to the KV store.")
         self.cache_errors = counter("cache_errors", "Cache backend errors (the request went on without it).", ("cache",))
@@ -104,6 +113,7 @@ class ServerMetrics:
             self.cache_errors.labels(cache)
         self.kv_store_errors = self.cache_errors.labels("kv_store")
         self.response_cache_errors = self.cache_errors.labels("response")
+        self.semantic_cache_errors = self.cache_errors.labels("semantic")
 
         self._last: dict[str, int] = {}  # cumulative counts at the last step / scrape
         self._baseline(stats_source() if stats_source else None)
@@ -112,13 +122,18 @@ class ServerMetrics:
         """Count only what happens from now on (an engine may have run before we watch it)."""
         self._last = {f: getattr(stats, f, 0) for f in ENGINE_COUNTERS}
         self._last |= {k: stats.kv_store.get(k, 0) if stats else 0 for k in KV_STORE_COUNTERS}
-        cache = self.response_cache_source() if self.response_cache_source else ResponseCacheStats()
-        self._last |= {f"response_cache.{k}": getattr(cache, k) for k in RESPONSE_CACHE_COUNTERS}
+        for name, (source, counters) in self.tallies.items():
+            tally = source()
+            self._last |= {f"{name}.{k}": getattr(tally, k) for k in counters}
 
-    def attach(self, client: EngineClient, response_cache_source: Callable[[], ResponseCacheStats] | None = None) -> None:
-        """Observe the engine behind `client` (a step listener) and the response cache's tally."""
+    def attach(self, client: EngineClient, response_cache_source: Callable[[], ResponseCacheStats] | None = None,
+               semantic_cache_source: TallySource | None = None) -> None:
+        """Observe the engine behind `client` (a step listener) and the caches' tallies."""
         self.stats_source = lambda: dataclasses.replace(client.stats, num_waiting=client.num_waiting())
-        self.response_cache_source = response_cache_source
+        for name, source, counters in (("response_cache", response_cache_source, RESPONSE_CACHE_COUNTERS),
+                                       ("semantic_cache", semantic_cache_source, SEMANTIC_CACHE_COUNTERS)):
+            if source is not None:
+                self.tallies[name] = (source, counters)
         self._baseline(client.stats)
         client.step_listeners.append(lambda step: self.on_step(step.outputs, step.stats, step.step_durations))
 
@@ -175,12 +190,11 @@ class ServerMetrics:
     def on_rejected(self) -> None:
         self.rejected.inc()
 
-    def _observe_response_cache(self) -> None:
-        if self.response_cache_source is None:
-            return
-        cache = self.response_cache_source()
-        for key, attr in RESPONSE_CACHE_COUNTERS.items():
-            self._inc_delta(f"response_cache.{key}", getattr(cache, key), attr)
+    def _observe_tallies(self) -> None:
+        for name, (source, counters) in self.tallies.items():
+            tally = source()
+            for key, attr in counters.items():
+                self._inc_delta(f"{name}.{key}", getattr(tally, key), attr)
 
     # ---- exposition --------------------------------------------------------------------------
 
@@ -193,7 +207,7 @@ class ServerMetrics:
         """(body, content type) of the Prometheus text format, gauges refreshed first."""
         if self.stats_source is not None:
             self._set_gauges(self.stats_source())
-        self._observe_response_cache()
+        self._observe_tallies()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def route(self, path: str = "/metrics") -> Route:

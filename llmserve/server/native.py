@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llmserve.cache.semantic_cache import SemanticQuery
 from llmserve.engine.outputs import TokenLogprobs
 from llmserve.errors import InvalidRequestError
 from llmserve.profiling import timings_of
@@ -33,6 +34,7 @@ from llmserve.server.protocol import (
     chat_messages,
     read_json,
 )
+from llmserve.server.semantic import chat_question, prompt_question
 from llmserve.server.streaming import GenerationStream, dumps, json_response, unless_disconnected
 
 
@@ -50,7 +52,7 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
     ids = _prompt_ids(ctx, body)
     params = body.sampling_params(body.max_tokens, logprobs=body.logprobs or 0)
     await ctx.check_structured(params, body.structured()[1])
-    gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache)
+    gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache, semantic=_question(ctx, body))
     await gen.start()
     if body.stream:
         return GenerationStream(_events(ctx, gen), gen, done_marker=False)
@@ -70,6 +72,12 @@ def _prompt_ids(ctx: ServerContext, body: GenerateRequest) -> list[int]:
     if body.prompt is not None:
         return ctx.tokenizer.encode(body.prompt, body.add_special_tokens)
     return body.input_ids or []
+
+
+def _question(ctx: ServerContext, body: GenerateRequest) -> SemanticQuery | None:
+    if body.messages is not None:
+        return chat_question(ctx, chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
+    return prompt_question(ctx, body.prompt, add_special_tokens=body.add_special_tokens)
 
 
 async def _events(ctx: ServerContext, gen: Generation) -> AsyncIterator[bytes]:

@@ -31,6 +31,7 @@ from llmserve.server.protocol import (
     chat_messages,
     read_json,
 )
+from llmserve.server.semantic import chat_question, prompt_question
 from llmserve.server.streaming import GenerationStream, dumps, json_response, unless_disconnected
 from llmserve.server.tools import ToolCallParser, ToolPlan, plan_tools, with_tools
 
@@ -81,7 +82,8 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, prompt_logprobs)
     await ctx.check_structured(params, body.structured()[1])
-    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache)
+    question = None if body.echo else prompt_question(ctx, body.prompt)
+    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache, question)
     return await _respond(gen, _CompletionReply(ctx, gen, body), body.stream)
 
 
@@ -153,7 +155,8 @@ async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float)
             raise InvalidRequestError(f"tool_choice {plan.choice!r} holds the output to tool calls; it cannot be combined with {asked_by}", asked_by)
         params.structured_outputs, asked_by = tool_grammar, "tools"
     await ctx.check_structured(params, asked_by)
-    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache)
+    question = chat_question(ctx, messages, tools=template_tools, add_generation_prompt=body.add_generation_prompt)
+    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache, semantic=question)
     return await _respond(gen, _ChatReply(ctx, gen, body, plan), body.stream)
 
 

@@ -4,7 +4,8 @@ key like every route but /health), so a client can read a server in another proc
 {"engine": EngineStats (kv_store: the Redis KV tier's blocks_read / blocks_written /
 blocks_rejected / errors / dropped, {} without Redis; memory: the core process's rss_bytes and
 glibc heap figures), "server": {"memory": the same figures for this process}, "response_cache":
-{"enabled", "backend", "hits", "misses", "errors", "rejected", "stored"}}
+{"enabled", "backend", "hits", "misses", "errors", "rejected", "stored"}, "semantic_cache":
+{"enabled", "backend", "threshold", "entries", "hits", "misses", "errors", "rejected", "stored"}}
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmserve.memory import memory_stats
-from llmserve.server.context import get_context
+from llmserve.server.context import ServerContext, get_context
 
 
 async def stats(request: Request) -> Response:
@@ -29,7 +30,16 @@ async def stats(request: Request) -> Response:
         "backend": None if cache is None else "redis" if cache.redis is not None else "memory",
         **ctx.response_cache_stats.as_dict(),
     }
-    return JSONResponse({"engine": engine, "server": {"memory": memory_stats()}, "response_cache": response_cache})
+    return JSONResponse({"engine": engine, "server": {"memory": memory_stats()}, "response_cache": response_cache,
+                         "semantic_cache": _semantic(ctx)})
+
+
+def _semantic(ctx: ServerContext) -> dict:
+    sc = ctx.semantic_cache
+    if sc is None:
+        return {"enabled": False}
+    return {"enabled": True, "backend": "redis" if sc.feed is not None else "memory", "threshold": sc.threshold,
+            "entries": len(sc.index), **sc.stats.as_dict()}
 
 
 routes = [Route("/stats", stats, methods=["GET"])]

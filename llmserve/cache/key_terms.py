@@ -1,0 +1,119 @@
+"""The lexical check a semantic-cache hit must pass beside the cosine threshold.
+
+An embedding model scores "the capital of France" and "the capital of Germany" as near-identical
+questions (cosine 0.9 and up), and "convert a string to an integer" against its reverse at 0.996.
+No cosine threshold separates those from true paraphrases, so a candidate is accepted only when
+both questions name the same things:
+
+    key_terms(text): the content words of the text, lowercased, stemmed and mapped onto a small
+    table of synonyms; words about the *form* of a question ("what", "how", "way", "command",
+    "explain", ...) and function words are dropped. Plus the `target`: the first key term after a
+    directional "to"/"into" ("convert miles to km" -> "km").
+    same_question(a, b): equal key-term sets, targets equal when both have one, and at least one
+    key term (a text with none, such as one in a script this table does not read, never matches).
+
+English only; for other languages the check degrades to "the same words", which is stricter, not
+looser. It errs towards misses: a paraphrase that swaps a content word for one the table does not
+know is a miss, never a hit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Function words, and words that shape a question without naming its subject.
+STOP_WORDS = frozenset("""
+a an the of in on at to for from by with about into onto over under than then and or but as between
+is are was were be been being am do does did doing done have has had having can could should would
+will shall may might must i me my mine you your yours we our us they their them he she his her it
+its this that these those there here what which who whom whose when where why how whats hows
+way ways command commands steps step method syntax best simple explain define tell meaning mean
+means please some any one ones much many get go most use used uses people number known call called
+city make makes made making
+""".split())
+# Each line: a canonical word, then words that mean the same in a question.
+SYNONYMS = """
+largest biggest
+tallest highest
+world earth
+integer int
+dictionary dict
+javascript js
+delete remove erase
+exit quit
+merge combine
+show check find see display view
+write wrote written author writer
+start begin
+clear clean
+mac macos
+directory folder
+image picture
+resize scale
+open load
+undo revert
+last recent latest
+length long
+stand short
+speak spoken
+point temperature degree
+convert turn change
+autumn fall
+distance far
+stop halt
+"""
+SUFFIXES = ("ing", "ers", "er", "ors", "or", "ed", "es", "s", "e")
+DIRECTIONAL = ("to", "into")
+
+
+def stem(word: str) -> str:
+    """A light suffix stripper: "boiling"/"boil", "inventor"/"invented", "dictionaries"/"dictionary"."""
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    for suffix in SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            return word[: -len(suffix)]
+    return word
+
+
+_CANONICAL = {stem(w): stem(line.split()[0]) for line in SYNONYMS.split("\n") if line for w in line.split()}
+
+
+@dataclass(frozen=True, slots=True)
+class KeyTerms:
+    terms: frozenset[str]
+    target: str | None  # the key term after the last directional "to"/"into", if any
+
+
+def _words(text: str) -> list[str]:
+    """Lowercased words; a capital "I" after a capitalised word is a numeral ("World War I")."""
+    out, prev = [], ""
+    for w in re.findall(r"[A-Za-z0-9]+", text.replace("'s", "").replace("\u2019s", "")):
+        out.append("i#" if w == "I" and prev[:1].isupper() else w.lower())
+        prev = w
+    return out
+
+
+def _term(word: str) -> str:
+    s = stem(word)
+    return _CANONICAL.get(s, s)
+
+
+def key_terms(text: str) -> KeyTerms:
+    words = _words(text)
+    target = None
+    for i, w in enumerate(words):
+        # "to" after a content word is directional ("string to integer"); after a stop word it
+        # is an infinitive ("the way to sort")
+        if w in DIRECTIONAL and i and words[i - 1] not in STOP_WORDS:
+            following = [x for x in words[i + 1 :] if x not in STOP_WORDS]
+            if following:
+                target = _term(following[0])
+    return KeyTerms(frozenset(_term(w) for w in words if w not in STOP_WORDS), target)
+
+
+def same_question(a: KeyTerms, b: KeyTerms) -> bool:
+    if not a.terms or a.terms != b.terms:
+        return False
+    return a.target is None or b.target is None or a.target == b.target
