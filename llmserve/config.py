@@ -59,6 +59,7 @@ class ServerConfig:
     semantic_cache: bool = _opt(False, "answer a question asked again in other words from the response cache")
     semantic_threshold: float = _opt(0.80, "least cosine of two questions for a semantic hit (their key terms must match too)")
     semantic_cache_size: int = _opt(10000, "most semantic cache entries (questions) kept")
+    playground: bool = _opt(True, "serve the browser playground and dashboard at / and /dashboard")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
 

@@ -37,6 +37,7 @@ from llmserve.engine.messages import (
     write_all,
 )
 from llmserve.memory import release_free_memory
+from llmserve.profiling import STAGES
 
 logger = logging.getLogger("llmserve.engine")
 IDLE_WAIT_S = 1.0  # an idle core re-checks its pipe this often (it wakes at once on a message)
@@ -79,8 +80,10 @@ class EngineCoreProc:
             steps_before = engine.num_steps
             outputs = engine.step()
             n_new = engine.num_steps - steps_before
-            durations = [r.duration_s for r in itertools.islice(reversed(engine.step_records), n_new)][::-1]
-            self._send(StepOutputs(outputs, engine.get_stats(), durations, self.num_added, self.num_added_tokens, self.rejected))
+            records = list(itertools.islice(reversed(engine.step_records), n_new))[::-1]
+            durations = [r.duration_s for r in records]
+            stages = [sum(getattr(r, f"{stage}_s") for r in records) for stage in STAGES]
+            self._send(StepOutputs(outputs, engine.get_stats(), durations, self.num_added, self.num_added_tokens, self.rejected, stages))
             self.rejected = []
 
     def _handle(self, msg: object) -> None:

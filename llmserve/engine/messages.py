@@ -61,6 +61,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     num_added: int  # AddRequests the core has taken in, since it started (for the 429 count)
     num_added_tokens: int  # their prompt tokens
     rejected: list[tuple[str, str]]  # (request_id, message): refused by the core (never expected)
+    stage_seconds: list[float]  # those steps' time in each profiling.STAGES stage, summed
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True):

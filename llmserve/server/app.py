@@ -37,7 +37,7 @@ from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.client import EngineClient
 from llmserve.errors import EngineDeadError, LLMServeError
-from llmserve.server import embeddings, native, openai, openapi, stats
+from llmserve.server import embeddings, native, openai, openapi, playground, stats
 from llmserve.server.context import ServerContext, get_context
 from llmserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -45,6 +45,7 @@ from llmserve.server.errors import (
     ShuttingDownError,
     error_response,
 )
+from llmserve.server.live import LiveStats
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.semantic import make_semantic_cache, start_semantic_cache
 from llmserve.structured import GrammarCompiler
@@ -63,13 +64,17 @@ class Gate:
         self.ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._page(scope["path"]):
             err = self._refusal(Headers(scope=scope))
             if err is not None:
                 headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, AuthenticationError) else None
                 await error_response(err, headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _page(self, path: str) -> bool:
+        """The playground's page and assets: no API key (the page asks for it)."""
+        return self.ctx.config.playground and path in playground.OPEN_PATHS
 
     def _refusal(self, headers: Headers) -> LLMServeError | None:
         key = self.ctx.config.api_key
@@ -108,6 +113,8 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     metrics = ServerMetrics()
     ctx.semantic_cache = make_semantic_cache(ctx, config, engine_config.redis_url, engine_config.redis_timeout, metrics.embedding.observe)
     metrics.attach(client, lambda: ctx.response_cache_stats, ctx.semantic_cache and (lambda: ctx.semantic_cache.stats))
+    ctx.live = LiveStats(lambda: client.stats, lambda: ctx.response_cache_stats)
+    client.step_listeners.append(ctx.live.on_step)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -124,8 +131,10 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
                 if cache is not None:
                     await cache.close()
 
+    pages = playground.routes if config.playground else []
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *embeddings.routes, *stats.routes, *openapi.routes],
+        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *embeddings.routes,
+                *stats.routes, *openapi.routes, *pages],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llmserve import __version__
+from llmserve.server import playground
 from llmserve.server.context import get_context
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -29,6 +30,7 @@ from llmserve.server.protocol import (
 )
 
 REF = "#/components/schemas/{model}"
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", *playground.OPEN_PATHS)  # no API key
 ERROR_STATUSES = {
     400: "Invalid request (the body names the bad parameter in error.param)",
     401: "Missing or wrong API key (with --api-key)",
@@ -60,6 +62,7 @@ class Operation:
     streams: bool = False  # "stream": true answers text/event-stream
     success: str = "application/json"
     errors: tuple[int, ...] = (400, 401, 404, 413, 415, 429, 503)
+    query: tuple[tuple[str, str], ...] = ()  # (name, JSON type) of optional query parameters
 
 
 OPERATIONS = (
@@ -75,6 +78,9 @@ OPERATIONS = (
     Operation("/metrics", "get", "Prometheus metrics", success="text/plain", errors=()),
     Operation("/stats", "get", "Engine, memory and cache figures as JSON", errors=(401,)),
     Operation("/openapi.json", "get", "This description", errors=()),
+    Operation("/stats/live", "get", "The dashboard's per-second figures", errors=(400, 401), query=(("since", "number"),)),
+    *(Operation(p, "get", "The browser playground and dashboard (a page)", success="text/html", errors=()) for p in playground.PAGES),
+    *(Operation(p, "get", "An asset of the playground", success=t, errors=()) for p, (_, t) in playground.ASSETS.items()),
 )
 
 
@@ -84,6 +90,8 @@ def _operation(op: Operation) -> dict[str, Any]:
         doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}}}
     if "{model}" in op.path:
         doc["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if op.query:
+        doc["parameters"] = [{"name": n, "in": "query", "required": False, "schema": {"type": t}} for n, t in op.query]
     ok: dict[str, Any] = {"description": "Success"}
     if op.success:
         ok["content"] = {op.success: {"schema": {"type": "object"} if op.success.endswith("json") else {"type": "string"}}}
@@ -95,14 +103,17 @@ def _operation(op: Operation) -> dict[str, Any]:
     return doc
 
 
-def build_openapi(title: str, secured: bool) -> dict[str, Any]:
-    """The OpenAPI 3.1 document; `secured`: every route but /health, /metrics and this one needs a bearer key."""
+def build_openapi(title: str, secured: bool, pages: bool = True) -> dict[str, Any]:
+    """The OpenAPI 3.1 document; `secured`: every route but /health, /metrics, the playground's
+    and this one needs a bearer key; `pages`: the playground is served."""
     models = [op.body for op in OPERATIONS if op.body is not None] + [ErrorResponse]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
+        if not pages and op.path in playground.OPEN_PATHS:
+            continue
         doc = _operation(op)
-        if secured and op.path not in ("/health", "/metrics", "/openapi.json"):
+        if secured and op.path not in OPEN_PATHS:
             doc["security"] = [{"bearer": []}]
         paths.setdefault(op.path, {})[op.method] = doc
     return {
@@ -115,7 +126,7 @@ def build_openapi(title: str, secured: bool) -> dict[str, Any]:
 
 async def openapi_json(request: Request) -> Response:
     ctx = get_context(request)
-    return JSONResponse(build_openapi(f"llmserve ({ctx.model_name})", bool(ctx.config.api_key)))
+    return JSONResponse(build_openapi(f"llmserve ({ctx.model_name})", bool(ctx.config.api_key), ctx.config.playground))
 
 
 routes = [Route("/openapi.json", openapi_json, methods=["GET"])]

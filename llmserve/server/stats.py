@@ -1,4 +1,4 @@
-"""GET /stats: the engine's and the response cache's figures as JSON (read-only, behind the API
+"""GET /stats: the engine's and the caches' figures as JSON (read-only, behind the API
 key like every route but /health), so a client can read a server in another process.
 
 {"engine": EngineStats (kv_store: the Redis KV tier's blocks_read / blocks_written /
@@ -16,7 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llmserve.errors import InvalidRequestError
 from llmserve.memory import memory_stats
+from llmserve.profiling import STAGES
 from llmserve.server.context import ServerContext, get_context
 
 
@@ -42,4 +44,17 @@ def _semantic(ctx: ServerContext) -> dict:
             "entries": len(sc.index), **sc.stats.as_dict()}
 
 
-routes = [Route("/stats", stats, methods=["GET"])]
+async def live(request: Request) -> Response:
+    """GET /stats/live?since=UNIX_SECONDS: the dashboard's points (llmserve.server.live), one per
+    second after `since` (default: the whole window)."""
+    ctx = get_context(request)
+    try:
+        since = float(request.query_params.get("since", "0"))
+    except ValueError:
+        raise InvalidRequestError("since must be a number (unix seconds)", "since") from None
+    stats = dataclasses.replace(ctx.client.stats, num_waiting=ctx.client.num_waiting())
+    points = ctx.live.points(since, stats) if ctx.live is not None else []
+    return JSONResponse({"stages": list(STAGES), "points": points})
+
+
+routes = [Route("/stats", stats, methods=["GET"]), Route("/stats/live", live, methods=["GET"])]
