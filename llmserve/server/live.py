@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.engine.messages import StepOutputs
-from llmserve.engine.outputs import EngineStats
+from llmserve.engine.client import EngineStats, StepOutputs
 from llmserve.profiling import STAGES, timings_of
 
 WINDOW_S = 300
