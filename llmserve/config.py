@@ -39,6 +39,11 @@ class EngineConfig:
     quantize: str | None = _opt(None, "weight-only quantization", ("int8",))
     seed: int = _opt(0, "seed of the engine's default random generator")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice)")
+    speculative_method: str | None = _opt(None, "speculative decoding: ngram (prompt lookup; off by default)", ("ngram",))
+    num_speculative_tokens: int = _opt(4, "draft tokens verified per step (speculative decoding)")
+    prompt_lookup_min: int = _opt(2, "shortest suffix n-gram looked up in the sequence (speculative decoding)")
+    prompt_lookup_max: int = _opt(4, "longest suffix n-gram looked up in the sequence (speculative decoding)")
+    speculative_max_batch: int = _opt(8, "no speculation while more sequences than this run (compute-bound)")
     redis_url: str | None = _opt(None, "Redis URL for the shared response cache and KV tier")
     redis_timeout: float = _opt(0.05, "seconds before a Redis call gives up (it counts as a miss)")
 

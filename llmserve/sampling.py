@@ -64,6 +64,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True  # False: never verify drafts for this request (speculative decoding)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +122,7 @@ class SamplingParams:
     def canonical(self) -> dict:
         """A stable dict of everything that changes the output (for cache keys): 0 and 0.0 agree."""
         d = asdict(self)
+        del d["speculative"]  # speculation never changes the output
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             d[name] = float(d[name])
         d["logit_bias"] = sorted((t, float(b)) for t, b in (self.logit_bias or {}).items())

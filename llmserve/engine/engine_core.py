@@ -22,7 +22,8 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.engine.request import Request, RequestStatus, Timeline
-from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from llmserve.engine.spec_decode import NgramProposer, SpecConfig
 from llmserve.memory import memory_stats
 from llmserve.model.compile import check_tensorrt, choose_mode
 from llmserve.model.loader import fingerprint, load_model
@@ -61,7 +62,8 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching,
             namespace=f"{self.fingerprint}:{config.block_size}",
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.proposer = self._proposer(config)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
         self.runner.setup_execution(self.compile, config.max_num_seqs, config.attention_backend)
         self.kv_store = self._connect_kv_store(config)
@@ -75,6 +77,7 @@ class LLMEngine:
         self.compiling: list[tuple[Request, Future]] = []  # structured requests whose matcher is being built
         self._grammar_pool: ThreadPoolExecutor | None = None
         self.step_records: deque[StepRecord] = deque(maxlen=100_000)
+        self._detok_s = 0.0  # this step's detokenization time, summed by _append
         self.num_steps = 0
 
     def close(self) -> None:
@@ -103,6 +106,13 @@ class LLMEngine:
         store = RedisKVStore(config.redis_url, namespace, shape, self.dtype, timeout_s=config.redis_timeout)
         self.kv.tier = KVTier(store, self.runner.kv_caches)
         return store
+
+    @staticmethod
+    def _proposer(config: EngineConfig) -> NgramProposer | None:
+        if config.speculative_method != "ngram":
+            return None
+        return NgramProposer(SpecConfig(config.num_speculative_tokens, config.prompt_lookup_min,
+                                        config.prompt_lookup_max, config.speculative_max_batch))
 
     @property
     def model_name(self) -> str:
@@ -213,30 +223,40 @@ class LLMEngine:
         self.scheduler.advance(sched)
         now = time.time()
         outputs = []
-        detok_s = 0.0
+        self._detok_s = 0.0
         for s in sched.scheduled:
-            req = s.request
-            sampled = run.sampled.get(req.request_id)
-            if sampled is None:  # a prefill chunk that has not reached the end yet
-                continue
-            token, lp = sampled
+            sampled = run.sampled.get(s.request.request_id)
+            if sampled is not None:  # None: a prefill chunk that has not reached the end yet
+                outputs.append(self._append(s, *sampled, now))
+        return outputs, self._detok_s
+
+    def _append(self, s: ScheduledRequest, tokens: list[int], lps: list, now: float) -> RequestOutput:
+        """One row's new tokens (several when drafts were accepted), each checked for a stop as
+        if it came alone: the first stop drops the rest."""
+        req, detok = s.request, self.detokenizers[s.request.request_id]
+        emitted, text = [], ""
+        for token, lp in zip(tokens, lps, strict=True):
             req.append_output_token(token)
             if req.matcher is not None:
                 req.matcher.consume_token(token)
             if lp is not None:
                 req.logprobs.append(lp)
             req.timeline.token_times.append(now)
-            detok = self.detokenizers[req.request_id]
+            emitted.append(token)
             t = time.perf_counter()
-            text = detok.add_token(token)
-            detok_s += time.perf_counter() - t
+            text += detok.add_token(token)
+            self._detok_s += time.perf_counter() - t
             status = self._check_stop(req, token, detok)
             if status is not None:
                 text += detok.flush()
                 self.scheduler.finish(req, status)
                 self._forget(req.request_id)
-            outputs.append(self._output(req, [token], text, [lp] if lp else [], now))
-        return outputs, detok_s
+                break
+        if s.spec_token_ids:
+            self.proposer.record(req.request_id, len(s.spec_token_ids), len(tokens) - 1)  # type: ignore[union-attr]
+            if not req.status.finished:  # the last known token and the accepted drafts now have K/V
+                self.scheduler.commit(req, len(tokens))
+        return self._output(req, emitted, text, [lp for lp in lps[: len(emitted)] if lp is not None], now)
 
     def _check_stop(self, req: Request, token: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
         p = req.sampling_params
@@ -264,6 +284,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
         self.runner.sampler.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def _output(self, req: Request, tokens: list[int], text: str, lps: list, now: float) -> RequestOutput:
         """A copied record: prompt logprobs ride on the first token, the timeline on the last."""
@@ -301,4 +323,5 @@ class LLMEngine:
             num_steps=self.num_steps,
             kv_store=self.kv_store.stats.as_dict() if self.kv_store else {},
             memory=memory_stats(),
+            spec_decode=self.proposer.stats.as_dict() if self.proposer else {},
         )

@@ -1,6 +1,8 @@
 """ModelRunner: a SchedulerOutput -> flat tensors -> one forward pass -> sampled tokens.
 
-Flat batch layout: decode tokens first (one per sequence), then each prefill chunk contiguously.
+Flat batch layout: decode tokens first (one per sequence), then each prefill chunk contiguously;
+a decode with drafts (speculative decoding) is laid out, and attends, like a prefill chunk of
+1 + len(drafts) tokens, and every one of its rows is sampled (Sampler.verify).
 KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (block 0 = null block).
 """
 
@@ -32,11 +34,18 @@ class ModelInput:
     sample_rows: list[int]  # flat index of the last token of each sampling sequence
     sample_requests: list[Request]
     prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, next prompt token)
+    spec_rows: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # (request, first flat index, drafts)
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The sampling rows, then every row of each verified decode."""
+        return self.sample_rows + [q0 + i for _, q0, drafts in self.spec_rows for i in range(len(drafts) + 1)]
 
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # request id -> (new tokens: one, or with drafts the accepted ones and the correction; their logprobs)
+    sampled: dict[str, tuple[list[int], list[TokenLogprobs | None]]] = field(default_factory=dict)
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -84,7 +93,8 @@ class ModelRunner:
         if g is not None and inp.meta.num_decodes == n and g.fits(n) and every_row_samples:
             return None, g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
+        rows = inp.logit_rows
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
         return hidden, logits
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
@@ -93,19 +103,22 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        sample_rows, sample_reqs, prompt_rows = [], [], []
+        sample_rows, sample_reqs, prompt_rows, spec_rows = [], [], [], []
         prefill_seqs = []
         bs = self.block_size
         for s in decodes + prefills:
             start, n, req = s.num_computed_tokens, s.num_tokens, s.request
             q0 = len(ids)
-            ids.extend(req.all_token_ids[start : start + n])
+            drafts = s.spec_token_ids
+            ids.extend(req.all_token_ids[start : start + n - len(drafts)] + drafts)
             pos.extend(range(start, start + n))
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             if n > 1:
                 table = torch.tensor(s.block_ids[: -(-(start + n) // bs)], dtype=torch.long)
                 prefill_seqs.append(PrefillSeq(q0, n, start + n, table))
-            if s.samples:
+            if drafts:
+                spec_rows.append((req, q0, drafts))
+            elif s.samples:
                 sample_rows.append(q0 + n - 1)
                 sample_reqs.append(req)
             if req.sampling_params.prompt_logprobs is not None:
@@ -121,7 +134,7 @@ class ModelRunner:
         )
         return ModelInput(
             torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
-            sample_rows, sample_reqs, prompt_rows,
+            sample_rows, sample_reqs, prompt_rows, spec_rows,
         )
 
     @torch.inference_mode()
@@ -134,10 +147,14 @@ class ModelRunner:
         result = RunnerOutput(prepare_s=t1 - t0, forward_s=t2 - t1)
         if inp.prompt_rows:
             self._prompt_logprobs(hidden, inp.prompt_rows)
-        if logits is not None:
-            s = self.sampler(logits, inp.sample_requests)
+        if inp.sample_rows:
+            s = self.sampler(logits[: len(inp.sample_rows)], inp.sample_requests)  # type: ignore[index]
             for req, tok, lp in zip(inp.sample_requests, s.token_ids, s.logprobs, strict=True):
-                result.sampled[req.request_id] = (tok, lp)
+                result.sampled[req.request_id] = ([tok], [lp])
+        row = len(inp.sample_rows)
+        for req, _, drafts in inp.spec_rows:
+            result.sampled[req.request_id] = self.sampler.verify(logits[row : row + len(drafts) + 1], req, drafts)  # type: ignore[index]
+            row += len(drafts) + 1
         result.sample_s = time.perf_counter() - t2
         return result
 

@@ -4,6 +4,7 @@ process boundary (engine/messages.py) as they are."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -94,3 +95,4 @@ class EngineStats:
     num_steps: int
     kv_store: dict[str, int] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)  # the engine's process: llmserve.memory.memory_stats()
+    spec_decode: dict[str, Any] = field(default_factory=dict)  # spec_decode.SpecStats.as_dict(), {} when off

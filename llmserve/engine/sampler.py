@@ -8,6 +8,10 @@ those of the raw model distribution (before any processing), as vLLM reports the
 A draw is argmax(probs / Exp(1) noise), which samples exactly from `probs`. A request with a seed
 draws its noise from its own generator, advanced once per token, so its output is the same
 whatever else shares the batch.
+
+verify() checks a decode's drafts (speculative decoding, engine/spec_decode.py): row i of its
+logits gives target token y_i, drawn exactly as a plain step would draw it; drafts are accepted
+while they equal y_i, and the generator is rewound to one draw per emitted token.
 """
 
 from __future__ import annotations
@@ -51,6 +55,34 @@ class Sampler:
                 if want_logprobs[i]:
                     logprobs[i] = top_logprobs(raw_logp[i], token_list[i], p.logprobs or 0)
         return SamplerOutput(token_list, logprobs)
+
+    def verify(self, logits: torch.Tensor, req: Request, drafts: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [len(drafts) + 1, vocab] of one decode row with drafts -> (the accepted drafts
+        and the token after them, their logprobs). Only for spec_decode.eligible requests: the
+        processing of each row does not depend on the tokens before it."""
+        p = req.sampling_params
+        raw_logp = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
+        if _needs_processing(req):
+            logits = logits.clone()
+            for row in logits:
+                _process_row(row, req)
+        if p.greedy:
+            targets = logits.argmax(dim=-1).tolist()
+        else:
+            generator = self._generator(req)
+            state = generator.get_state()
+            targets = self._draw(logits, [req] * len(drafts + [0])).tolist()
+        m = 0
+        while m < len(drafts) and drafts[m] == targets[m]:
+            m += 1
+        tokens = targets[: m + 1]
+        if not p.greedy:  # the draws after the last emitted token were never used: take them back
+            generator.set_state(state)
+            scratch = torch.empty(logits.shape[-1], dtype=logits.dtype)
+            for _ in tokens:
+                scratch.exponential_(generator=generator)
+        lps = [None if raw_logp is None else top_logprobs(raw_logp[i], t, p.logprobs or 0) for i, t in enumerate(tokens)]
+        return tokens, lps
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         constrained = [i for i, r in enumerate(requests) if r.matcher is not None]

@@ -5,6 +5,9 @@ arrival order (a decode costs 1 token, an unfinished prefill takes a chunk), the
 requests first come, first served, within max_num_seqs. When the KV cache runs out of blocks,
 the most recently admitted running request is preempted: its blocks are freed and it goes back
 to the front of the waiting queue, to be recomputed (prompt + the tokens it already produced).
+
+With a proposer (speculative decoding), a decode may carry draft tokens: it then computes
+1 + len(drafts) tokens, and only those the sampler accepts are committed (commit()).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.spec_decode import NgramProposer
 
 
 @dataclass(slots=True)
@@ -24,6 +28,7 @@ class ScheduledRequest:
     block_ids: list[int]
     num_computed_tokens: int  # before this step
     samples: bool  # this chunk reaches the last known token, so a new token is sampled
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts computed after the last known token
 
 
 @dataclass(slots=True)
@@ -31,6 +36,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+    num_spec_tokens: int = 0  # draft tokens verified this step
 
     @property
     def empty(self) -> bool:
@@ -38,8 +44,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 30):
         self.kv = kv
+        self.proposer = proposer
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -58,10 +67,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
+        speculate = self.proposer is not None and self.proposer.begin_step(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget) if speculate and n == 1 else []
+            if drafts and not self.kv.allocate_slots(req, n + len(drafts)):
+                drafts = []  # no room for the drafts: a plain decode
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -69,8 +82,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._add(out, req, n)
-                budget -= n
+                self._add(out, req, n, drafts)
+                budget -= n + len(drafts)
                 i += 1
         if not preempted:
             budget = self._admit_waiting(out, budget)
@@ -96,10 +109,20 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Drafts for a decode, within the step's budget, max_tokens and the context length."""
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return []
+        room = min(budget, req.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+        return self.proposer.propose(req, room)  # type: ignore[union-attr]
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int, drafts: list[int] | None = None) -> None:
+        """n: the known tokens computed this step; drafts follow them."""
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens
-        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), start, samples))
+        drafts = drafts or []
+        out.scheduled.append(ScheduledRequest(req, n + len(drafts), self.kv.block_ids(req.request_id), start, samples, drafts))
+        out.num_spec_tokens += len(drafts)
         if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
             out.num_decode_seqs += 1
         else:
@@ -114,11 +137,17 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """After the model ran: mark the scheduled tokens computed and hash newly full blocks."""
+        """After the model ran: mark the scheduled tokens computed and hash newly full blocks.
+        Rows with drafts are committed by the engine once it knows which were accepted."""
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-            if s.request.status is RequestStatus.RUNNING:
-                self.kv.cache_full_blocks(s.request, s.request.num_computed_tokens)
+            if not s.spec_token_ids:
+                self.commit(s.request, s.num_tokens)
+
+    def commit(self, req: Request, num_tokens: int) -> None:
+        """num_tokens more of req's tokens (all in req.all_token_ids) have their K/V in the cache."""
+        req.num_computed_tokens += num_tokens
+        if req.status is RequestStatus.RUNNING:
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort) and free its blocks at once."""

@@ -34,6 +34,8 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -56,6 +58,8 @@ CACHES = ("response", "kv_store", "semantic")
 # contract: cumulative counts under these names) and ResponseCacheStats fields -> our counter
 ENGINE_COUNTERS = {"num_preemptions": "preemptions", "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits"}
 KV_STORE_COUNTERS = {"blocks_read": "kv_store_read", "blocks_written": "kv_store_written", "errors": "kv_store_errors"}
+# EngineStats.spec_decode (speculative decoding) -> our counter
+SPEC_COUNTERS = {"num_drafts": "spec_drafts", "num_draft_tokens": "spec_draft_tokens", "num_accepted_tokens": "spec_accepted_tokens"}
 RESPONSE_CACHE_COUNTERS = {"hits": "response_cache_hits", "misses": "response_cache_misses", "errors": "response_cache_errors"}
 SEMANTIC_CACHE_COUNTERS = {"hits": "semantic_cache_hits", "misses": "semantic_cache_misses", "errors": "semantic_cache_errors"}
 TallySource = Callable[[], Any]  # a cache's cumulative tally (ResponseCacheStats, SemanticCacheStats)
@@ -105,6 +109,10 @@ class ServerMetrics:
         self.semantic_cache_misses = counter("semantic_cache_misses", "Semantic cache lookups not answered (after an exact miss).")
         self.embedding = hist("semantic_cache_embedding_seconds", "Embedding one question for the semantic cache.")
         self.kv_store_read = counter("kv_store_blocks_read", "KV blocks read from the KV store.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Decode rows verified with draft tokens (speculative decoding).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        r.register(_AcceptanceLength(lambda: self.stats_source() if self.stats_source else None))
         self.kv_store_written = counter("kv_store_blocks_written", "KV blocks written to the KV store.")
         self.cache_errors = counter("cache_errors", "Cache backend errors (the request went on without it).", ("cache",))
         for reason in FINISH_REASONS:
@@ -122,6 +130,7 @@ class ServerMetrics:
         """Count only what happens from now on (an engine may have run before we watch it)."""
         self._last = {f: getattr(stats, f, 0) for f in ENGINE_COUNTERS}
         self._last |= {k: stats.kv_store.get(k, 0) if stats else 0 for k in KV_STORE_COUNTERS}
+        self._last |= {f"spec.{k}": stats.spec_decode.get(k, 0) if stats else 0 for k in SPEC_COUNTERS}
         for name, (source, counters) in self.tallies.items():
             tally = source()
             self._last |= {f"{name}.{k}": getattr(tally, k) for k in counters}
@@ -163,6 +172,8 @@ class ServerMetrics:
             self._inc_delta(field_name, getattr(stats, field_name), attr)
         for key, attr in KV_STORE_COUNTERS.items():
             self._inc_delta(key, stats.kv_store.get(key, 0), attr)
+        for key, attr in SPEC_COUNTERS.items():
+            self._inc_delta(f"spec.{key}", stats.spec_decode.get(key, 0), attr)
         self._set_gauges(stats)
 
     def _on_finished(self, o: RequestOutput) -> None:
@@ -216,3 +227,24 @@ class ServerMetrics:
             return Response(body, media_type=content_type)
 
         return Route(path, metrics, methods=["GET"])
+
+
+class _AcceptanceLength(Collector):
+    """llmserve:spec_decode_acceptance_length: drafts accepted per verified decode row, a
+    histogram built at each scrape from the engine's cumulative counts (one bucket per length)."""
+
+    def __init__(self, stats_source: Callable[[], EngineStats | None]):
+        self.stats_source = stats_source
+
+    def collect(self) -> Any:
+        stats = self.stats_source()
+        counts = stats.spec_decode.get("accepted_length_counts", []) if stats is not None else []
+        buckets, total = [], 0
+        for length, n in enumerate(counts):
+            total += n
+            buckets.append((str(length), total))
+        yield HistogramMetricFamily("llmserve:spec_decode_acceptance_length", "Draft tokens accepted per verified decode row.",
+                                    buckets=[*buckets, ("+Inf", total)], sum_value=sum(i * n for i, n in enumerate(counts)))
+
+    def describe(self) -> Any:
+        return []

@@ -128,6 +128,7 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache: bool = True  # false: never answered from (nor stored in) the response cache
+    speculative: bool = True  # false: no speculative decoding for this request (where the server runs it)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
@@ -176,6 +177,7 @@ class SamplingFields(_Model):
             stop_token_ids=pick(self.stop_token_ids, []), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured,
+            speculative=self.speculative,
         )
 
 
