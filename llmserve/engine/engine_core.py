@@ -65,7 +65,7 @@ class LLMEngine:
         self.proposer = self._proposer(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
-        self.runner.setup_execution(self.compile, config.max_num_seqs, config.attention_backend)
+        self.runner.setup_execution(self.compile, self._max_decode_rows(config), config.attention_backend)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
             self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,
@@ -106,6 +106,13 @@ class LLMEngine:
         store = RedisKVStore(config.redis_url, namespace, shape, self.dtype, timeout_s=config.redis_timeout)
         self.kv.tier = KVTier(store, self.runner.kv_caches)
         return store
+
+    @staticmethod
+    def _max_decode_rows(config: EngineConfig) -> int:
+        """Rows of a decode step: one per sequence, 1 + K for those that speculate."""
+        if config.speculative_method is None:
+            return config.max_num_seqs
+        return max(config.max_num_seqs, min(config.max_num_seqs, config.speculative_max_batch) * (1 + config.num_speculative_tokens))
 
     @staticmethod
     def _proposer(config: EngineConfig) -> NgramProposer | None:
@@ -303,10 +310,11 @@ class LLMEngine:
         self, start: float, sched: SchedulerOutput, run: RunnerOutput, schedule_s: float, update_s: float, detok_s: float
     ) -> None:
         self.num_steps += 1
-        self.step_records.append(
-            StepRecord(start, sched.num_prefill_tokens, sched.num_decode_seqs, schedule_s,
-                       run.prepare_s, run.forward_s, run.sample_s, update_s, detok_s)
-        )
+        record = StepRecord(start, sched.num_prefill_tokens, sched.num_decode_seqs, schedule_s,
+                            run.prepare_s, run.forward_s, run.sample_s, update_s, detok_s)
+        self.step_records.append(record)
+        if self.proposer is not None and sched.num_prefill_tokens == 0:  # what a decode row costs
+            self.proposer.observe_step(sched.num_decode_seqs + sched.num_spec_tokens, record.duration_s)
 
     def get_stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -1,8 +1,11 @@
 """ModelRunner: a SchedulerOutput -> flat tensors -> one forward pass -> sampled tokens.
 
-Flat batch layout: decode tokens first (one per sequence), then each prefill chunk contiguously;
-a decode with drafts (speculative decoding) is laid out, and attends, like a prefill chunk of
-1 + len(drafts) tokens, and every one of its rows is sampled (Sampler.verify).
+Flat batch layout: decode tokens first (one per sequence), then each prefill chunk contiguously.
+A decode with drafts (speculative decoding) is 1 + len(drafts) decode rows at consecutive
+positions, all on its block table, row i seeing start + i + 1 tokens: all the rows' K/V are
+written before attention, so the rows are causal among themselves, and the step stays a decode
+batch (the native kernel, the compiled graph, the same numerics as a plain decode). Every one
+of its rows is sampled (Sampler.verify).
 KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (block 0 = null block).
 """
 
@@ -86,20 +89,21 @@ class ModelRunner:
             self.decode_graph = graph
 
     def forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden [T, hidden] or None, logits [len(sample_rows), vocab] fp32 or None).
+        """(hidden [T, hidden] or None, logits [len(logit_rows), vocab] fp32 or None).
         Decode-only batches that fit the compiled graph run it (logits only); others run eager."""
-        g, n = self.decode_graph, inp.input_ids.shape[0]
-        every_row_samples = inp.sample_rows == list(range(n)) and not inp.prompt_rows
+        g, n, rows = self.decode_graph, inp.input_ids.shape[0], inp.logit_rows
+        every_row_samples = len(rows) == n and sorted(rows) == list(range(n)) and not inp.prompt_rows
         if g is not None and inp.meta.num_decodes == n and g.fits(n) and every_row_samples:
-            return None, g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            logits = g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            return None, logits if rows == list(range(n)) else logits[rows]
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        rows = inp.logit_rows
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         return hidden, logits
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
-        decodes = [s for s in out.scheduled if s.num_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_tokens > 1]
+        decodes = [s for s in out.scheduled if s.num_tokens == 1 or s.spec_token_ids]
+        prefills = [s for s in out.scheduled if s.num_tokens > 1 and not s.spec_token_ids]
+        tables, seq_lens = [], []  # per decode row
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -113,7 +117,10 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start : start + n - len(drafts)] + drafts)
             pos.extend(range(start, start + n))
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n > 1:
+            if n == 1 or drafts:
+                tables += [s.block_ids] * n
+                seq_lens += range(start + 1, start + n + 1)
+            else:
                 table = torch.tensor(s.block_ids[: -(-(start + n) // bs)], dtype=torch.long)
                 prefill_seqs.append(PrefillSeq(q0, n, start + n, table))
             if drafts:
@@ -127,9 +134,9 @@ class ModelRunner:
                 prompt_rows += [(req, q0 + p - start, req.prompt_token_ids[p + 1]) for p in range(first, last)]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decodes=len(decodes),
-            decode_block_tables=_pad_tables([s.block_ids for s in decodes]),
-            decode_seq_lens=torch.tensor([s.num_computed_tokens + 1 for s in decodes], dtype=torch.long),
+            num_decodes=len(seq_lens),
+            decode_block_tables=_pad_tables(tables),
+            decode_seq_lens=torch.tensor(seq_lens, dtype=torch.long),
             prefills=prefill_seqs,
         )
         return ModelInput(

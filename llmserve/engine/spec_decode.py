@@ -19,24 +19,28 @@ Bookkeeping. Only accepted tokens are appended, hashed into prefix-cache blocks 
 the Redis tier: the rejected positions' K/V lies beyond num_computed_tokens and is overwritten by
 the next step.
 
-Auto off. No speculation when more than max_batch sequences run (the step is compute-bound and
-the extra query tokens cost more than they save), for requests whose sampling depends on the
-tokens before each position (structured output, repetition/presence/frequency penalties,
-min_tokens not reached yet) or that opted out, and, per sequence, after a run of proposals that
-were mostly rejected (it retries after a pause).
+Auto off. No speculation when more than max_batch sequences run, nor for requests whose
+sampling depends on the tokens before each position (structured output, repetition/presence/
+frequency penalties, min_tokens not reached yet) or that opted out. Below max_batch, a sequence
+speculates only while it pays: StepCost fits decode step time = fixed + per_row x rows to the
+engine's recent decode steps, and K more rows for one of b sequences raise throughput only if
+that sequence's drafts are accepted at more than b * per_row * K / (fixed + per_row * b) tokens
+per check (its running mean, `SeqSpec.accepted`). A sequence below that pauses PAUSE_STEPS
+steps, then checks once more. The fitted costs and the thresholds they give are logged.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 from llmserve.engine.request import Request
 
 logger = logging.getLogger("llmserve.engine")
-# a sequence whose last LOW_WINDOW proposals averaged under LOW_ACCEPTANCE accepted tokens each
-# stops proposing for PAUSE_STEPS steps
-LOW_WINDOW, LOW_ACCEPTANCE, PAUSE_STEPS = 4, 0.5, 16
+PAUSE_STEPS = 16  # a sequence whose drafts do not pay waits this long before it checks again
+EMA = 0.3  # weight of the newest check in a sequence's mean accepted drafts
+ROW_COST_GUESS = 0.05  # per_row / fixed before any fit: one more row costs 5% of a step
 
 
 @dataclass(slots=True)
@@ -77,10 +81,38 @@ class NgramIndex:
         return []
 
 
+class StepCost:
+    """Decode step seconds ~ fixed + per_row * rows, least squares over the last `window`
+    decode-only steps (None until the steps vary in size)."""
+
+    def __init__(self, window: int = 256):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        n = len(self.samples)
+        if n < 16:
+            return None
+        mx = sum(r for r, _ in self.samples) / n
+        my = sum(s for _, s in self.samples) / n
+        var = sum((r - mx) ** 2 for r, _ in self.samples)
+        if var < 1e-9:
+            return None
+        per_row = max(sum((r - mx) * (s - my) for r, s in self.samples) / var, 0.0)
+        return max(my - per_row * mx, 1e-4), per_row
+
+    def threshold(self, batch: int, k: int, fit: tuple[float, float] | None) -> float:
+        """Accepted drafts per check above which k drafts for one of `batch` sequences pay."""
+        fixed, per_row = fit or (1.0, ROW_COST_GUESS)
+        return batch * per_row * k / (fixed + per_row * batch)
+
+
 @dataclass(slots=True)
 class SeqSpec:
     index: NgramIndex
-    recent: list[int] = field(default_factory=list)  # accepted drafts of the last proposals
+    accepted: float  # running mean of accepted drafts per check (optimistic at first)
     paused_until: int = 0  # a step number
 
 
@@ -103,13 +135,34 @@ class NgramProposer:
         self.seqs: dict[str, SeqSpec] = {}
         self.stats = SpecStats(accepted_length_counts=[0] * (config.num_speculative_tokens + 1))
         self.step = 0
+        self.batch = 1  # sequences running this step
+        self.cost = StepCost()
+        self.fit: tuple[float, float] | None = None
+        self._logged: tuple[float, float] | None = None
         logger.info("speculative decoding: ngram, K=%d, n in [%d, %d], off above %d running sequences",
                     config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max, config.max_batch)
 
     def begin_step(self, num_running: int) -> bool:
         """Whether this step speculates at all."""
         self.step += 1
+        self.batch = num_running
+        if self.step % 64 == 0:
+            self._refit()
         return num_running <= self.config.max_batch
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows took `seconds`."""
+        self.cost.observe(rows, seconds)
+
+    def _refit(self) -> None:
+        self.fit = self.cost.fit()
+        if self.fit is None or (self._logged and all(abs(a - b) <= 0.2 * b for a, b in zip(self.fit, self._logged, strict=True))):
+            return
+        self._logged = self.fit
+        k = self.config.num_speculative_tokens
+        thresholds = ", ".join(f"{b}: {self.cost.threshold(b, k, self.fit):.2f}" for b in (1, 2, 4, 8) if b <= self.config.max_batch)
+        logger.info("speculative decoding: a decode step takes %.1f ms + %.2f ms per row; a sequence speculates while "
+                    "it accepts more drafts per check than (by running sequences) %s", self.fit[0] * 1e3, self.fit[1] * 1e3, thresholds)
 
     def propose(self, req: Request, max_new: int) -> list[int]:
         """Drafts for one decode row, at most max_new (the tokens it may still produce, minus the
@@ -119,8 +172,13 @@ class NgramProposer:
             return []
         seq = self.seqs.get(req.request_id)
         if seq is None:
-            seq = self.seqs[req.request_id] = SeqSpec(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+            index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            seq = self.seqs[req.request_id] = SeqSpec(index, accepted=self.config.num_speculative_tokens / 2)
         if self.step < seq.paused_until:
+            return []
+        if seq.accepted <= self.cost.threshold(self.batch, k, self.fit):
+            seq.paused_until = self.step + PAUSE_STEPS
+            seq.accepted = self.cost.threshold(self.batch, k, self.fit) + 1e-6  # the next check decides alone
             return []
         return seq.index.propose(req.all_token_ids, k)
 
@@ -131,11 +189,8 @@ class NgramProposer:
         s.num_accepted_tokens += num_accepted
         s.accepted_length_counts[num_accepted] += 1
         seq = self.seqs.get(request_id)
-        if seq is None:
-            return
-        seq.recent = (seq.recent + [num_accepted])[-LOW_WINDOW:]
-        if len(seq.recent) == LOW_WINDOW and sum(seq.recent) / LOW_WINDOW < LOW_ACCEPTANCE:
-            seq.paused_until, seq.recent = self.step + PAUSE_STEPS, []
+        if seq is not None:
+            seq.accepted = (1 - EMA) * seq.accepted + EMA * num_accepted
 
     def forget(self, request_id: str) -> None:
         self.seqs.pop(request_id, None)
