@@ -159,6 +159,9 @@ def test_page_weight_and_no_outside_requests(server, page):
     assert {u.removeprefix(server.url) for u in sizes} >= {"/", "/ui/app.js", "/ui/app.css", "/v1/models"}
     assert sum(sizes.values()) < 300_000
     assert page.outside == [] and all(u.startswith(server.url) for u in sizes)
+    for bad in ("nan", "inf", "soon"):
+        r = httpx.get(server.url + f"/stats/live?since={bad}", timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "since"
     policy = httpx.get(server.url + "/", timeout=10).headers["content-security-policy"]
     assert "default-src 'self'" in policy and "connect-src 'self'" in policy
 

@@ -44,6 +44,9 @@ def same(a: str, b: str) -> bool:
     ("How do I convert a string to an integer in Python?", "How do I convert an integer to a string in Python?", False),
     ("When did World War I end?", "When did World War II end?", False),
     ("What is the distance of a marathon?", "What is the distance of a half marathon?", False),
+    ("Is Python faster than Java?", "Is Java faster than Python?", False),
+    ("What is 10 divided by 2?", "What is 2 divided by 10?", False),
+    ("How do I make a git branch?", "What is a git branch?", False),
     ("How do I install numpy?", "How do I uninstall numpy?", False),
     ("What is it?", "What is it?", False),  # no key term: nothing to check, never a hit
 ])

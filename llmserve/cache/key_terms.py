@@ -7,14 +7,17 @@ both questions name the same things:
 
     key_terms(text): the content words of the text, lowercased, stemmed and mapped onto a small
     table of synonyms; words about the *form* of a question ("what", "how", "way", "command",
-    "explain", ...) and function words are dropped. Plus the `target`: the first key term after a
-    directional "to"/"into" ("convert miles to km" -> "km").
-    same_question(a, b): equal key-term sets, targets equal when both have one, and at least one
-    key term (a text with none, such as one in a script this table does not read, never matches).
+    "explain", ...) and function words are dropped. Plus the `targets`: the key term after each
+    directional word ("convert miles to km" -> to: km; "faster than Java" -> than: java), and the
+    numbers in the order they come ("10 divided by 2" is not "2 divided by 10").
+    same_question(a, b): equal key-term sets, the same numbers in the same order, targets equal
+    where both have one, and at least one key term (a text with none, such as one in a script
+    this table does not read, never matches).
 
 English only; for other languages the check degrades to "the same words", which is stricter, not
 looser. It errs towards misses: a paraphrase that swaps a content word for one the table does not
-know is a miss, never a hit.
+know is a miss. What it cannot see is word order beyond the directional words: "Who killed
+Brutus?" and "Who did Brutus kill?" have the same key terms.
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ is are was were be been being am do does did doing done have has had having can 
 will shall may might must i me my mine you your yours we our us they their them he she his her it
 its this that these those there here what which who whom whose when where why how whats hows
 way ways command commands steps step method syntax best simple explain define tell meaning mean
-means please some any one ones much many get go most use used uses people number known call called
-city make makes made making
+means please some any one ones much many go most used people number known call called city
 """.split())
 # Each line: a canonical word, then words that mean the same in a question.
 SYNONYMS = """
@@ -64,7 +66,7 @@ distance far
 stop halt
 """
 SUFFIXES = ("ing", "ers", "er", "ors", "or", "ed", "es", "s", "e")
-DIRECTIONAL = ("to", "into")
+DIRECTIONAL = ("to", "into", "than", "by", "from", "per", "versus", "vs")
 
 
 def stem(word: str) -> str:
@@ -83,7 +85,8 @@ _CANONICAL = {stem(w): stem(line.split()[0]) for line in SYNONYMS.split("\n") if
 @dataclass(frozen=True, slots=True)
 class KeyTerms:
     terms: frozenset[str]
-    target: str | None  # the key term after the last directional "to"/"into", if any
+    targets: dict[str, str]  # directional word -> the key term after its last occurrence
+    numbers: tuple[str, ...]  # in order
 
 
 def _words(text: str) -> list[str]:
@@ -101,19 +104,23 @@ def _term(word: str) -> str:
 
 
 def key_terms(text: str) -> KeyTerms:
+    """One pass backwards (linear in the text), so the next key term after each word is known."""
     words = _words(text)
-    target = None
-    for i, w in enumerate(words):
+    targets: dict[str, str] = {}
+    following: str | None = None  # the next key term after position i
+    for i in range(len(words) - 1, -1, -1):
+        w = words[i]
         # "to" after a content word is directional ("string to integer"); after a stop word it
         # is an infinitive ("the way to sort")
-        if w in DIRECTIONAL and i and words[i - 1] not in STOP_WORDS:
-            following = [x for x in words[i + 1 :] if x not in STOP_WORDS]
-            if following:
-                target = _term(following[0])
-    return KeyTerms(frozenset(_term(w) for w in words if w not in STOP_WORDS), target)
+        if w in DIRECTIONAL and i and words[i - 1] not in STOP_WORDS and following is not None:
+            targets.setdefault(w, following)
+        if w not in STOP_WORDS:
+            following = _term(w)
+    terms = frozenset(_term(w) for w in words if w not in STOP_WORDS)
+    return KeyTerms(terms, targets, tuple(w for w in words if w.isdigit()))
 
 
 def same_question(a: KeyTerms, b: KeyTerms) -> bool:
-    if not a.terms or a.terms != b.terms:
+    if not a.terms or a.terms != b.terms or a.numbers != b.numbers:
         return False
-    return a.target is None or b.target is None or a.target == b.target
+    return all(b.targets.get(word, target) == target for word, target in a.targets.items())

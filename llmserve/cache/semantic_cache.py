@@ -148,6 +148,13 @@ class VectorIndex:
         self.entries[slot], self.terms[slot] = e, key_terms(e.text)
         self.slots[(e.scope, e.text)] = slot
 
+    def discard(self, e: SemanticEntry) -> None:
+        """Forget an entry whose answer is gone from the response cache."""
+        slot = self.slots.get((e.scope, e.text))
+        if slot is not None and self.entries[slot] is e:
+            del self.slots[(e.scope, e.text)]
+            self.entries[slot], self.terms[slot], self.expires[slot] = None, None, 0.0
+
     def search(self, scope: str, vector: np.ndarray, terms: KeyTerms, threshold: float,
                now: float | None = None) -> SemanticMatch | None:
         """The most similar live entry of `scope` at or above `threshold` with the same key terms."""
@@ -273,6 +280,9 @@ class SemanticCache:
             self.stats.hits += 1
         else:
             self.stats.misses += 1
+
+    def discard(self, entry: SemanticEntry) -> None:
+        self.index.discard(entry)
 
     def store(self, lookup: SemanticLookup, response_key: str) -> None:
         if lookup.vector is None:

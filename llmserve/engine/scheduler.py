@@ -72,7 +72,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, budget) if speculate and n == 1 else []
+            # drafts only where blocks to spare remain for every other running sequence's next token
+            room = speculate and n == 1 and self.kv.num_free_blocks > len(self.running)
+            drafts = self._drafts(req, budget) if room else []
             if drafts and not self.kv.allocate_slots(req, n + len(drafts)):
                 drafts = []  # no room for the drafts: a plain decode
             while not self.kv.allocate_slots(req, n):

@@ -120,9 +120,9 @@ def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
         await client.start()
-        await start_semantic_cache(ctx)
-        logger.info("serving %s (context %d tokens)", ctx.model_name, ctx.max_model_len)
         try:
+            await start_semantic_cache(ctx)
+            logger.info("serving %s (context %d tokens)", ctx.model_name, ctx.max_model_len)
             yield
         finally:
             client.abort_all()

@@ -167,7 +167,8 @@ class Generation:
             return False
         record = await self.ctx.response_cache.get(lookup.match.entry.response_key, len(self.choices))  # type: ignore[union-attr]
         cache.count_hit(record is not None)  # type: ignore[union-attr]
-        if record is None:  # the answer expired or Redis is away: a miss
+        if record is None:  # the answer expired, was evicted, or Redis is away: a miss
+            cache.discard(lookup.match.entry)  # type: ignore[union-attr]
             lookup.match = None
             return False
         self._queue_record(record, "semantic-hit")
@@ -177,7 +178,7 @@ class Generation:
         self.cache_status, self._recorded = status, None
         now = time.time()
         for c, cached in zip(self.choices, record.choices, strict=True):
-            self._buffer.extend((c.index, out) for out in replay_choice(cached, c.request, now))
+            self._buffer.extend((c.index, out) for out in replay_choice(cached, c.request, now, status == "hit"))
 
     def _store(self) -> None:
         if self._recorded is None or any(c.finish_reason == "abort" for c in self.choices):

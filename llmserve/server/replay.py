@@ -28,8 +28,10 @@ def record_choice(outputs: list[RequestOutput], prompt_logprobs: list[TokenLogpr
     return CachedChoice(steps, last.finish_reason, last.stop_reason, last.num_cached_tokens, prompt_lps)  # type: ignore[arg-type]
 
 
-def replay_choice(choice: CachedChoice, req: EngineCoreRequest, now: float) -> list[RequestOutput]:
-    """The outputs the engine gave for `choice`, re-addressed to `req`, as if it had run at `now`."""
+def replay_choice(choice: CachedChoice, req: EngineCoreRequest, now: float, same_prompt: bool = True) -> list[RequestOutput]:
+    """The outputs the engine gave for `choice`, re-addressed to `req`, as if it had run at `now`;
+    same_prompt False (a semantic hit): none of req's prompt tokens came from the prefix cache."""
+    num_cached = choice.num_cached_tokens if same_prompt else 0
     prompt_lps = None if choice.prompt_logprobs is None else [None if x is None else _from_lp(x) for x in choice.prompt_logprobs]
     num_tokens = sum(len(s.token_ids) for s in choice.steps)
     timeline = Timeline(req.arrival_time, now, [now] * num_tokens, now)
@@ -40,7 +42,7 @@ def replay_choice(choice: CachedChoice, req: EngineCoreRequest, now: float) -> l
         outputs.append(RequestOutput(
             req.request_id, list(s.token_ids), s.text, [_from_lp(x) for x in s.logprobs], last,
             choice.finish_reason if last else None, choice.stop_reason if last else None,
-            len(req.prompt_token_ids), n_out, choice.num_cached_tokens, now,
+            len(req.prompt_token_ids), n_out, num_cached, now,
             prompt_lps if i == 0 else None, timeline if last else None,
         ))
     return outputs

@@ -22,6 +22,7 @@ from llmserve.server.context import ServerContext
 from llmserve.server.embeddings import available, embedding_model
 
 EMBEDDING_DIM = 384
+MAX_QUESTION_CHARS = 2000  # longer texts are documents, not questions asked again in other words
 
 
 def make_semantic_cache(ctx: ServerContext, config: ServerConfig, redis_url: str | None, redis_timeout: float,
@@ -57,13 +58,13 @@ async def start_semantic_cache(ctx: ServerContext) -> None:
 
 def chat_question(ctx: ServerContext, messages: list[dict[str, str]], **template: Any) -> SemanticQuery | None:
     """messages: as given to the chat template (tools folded in); template: its other arguments."""
-    if ctx.semantic_cache is None or messages[-1]["role"] != "user":
+    if ctx.semantic_cache is None or messages[-1]["role"] != "user" or len(messages[-1]["content"]) > MAX_QUESTION_CHARS:
         return None
     return SemanticQuery(messages[-1]["content"], {"endpoint": "chat", "earlier": messages[:-1], **template})
 
 
 def prompt_question(ctx: ServerContext, prompt: Any, **options: Any) -> SemanticQuery | None:
     """prompt: the request's prompt as sent (only a single string qualifies)."""
-    if ctx.semantic_cache is None or not isinstance(prompt, str):
+    if ctx.semantic_cache is None or not isinstance(prompt, str) or len(prompt) > MAX_QUESTION_CHARS:
         return None
     return SemanticQuery(prompt, {"endpoint": "text", **options})

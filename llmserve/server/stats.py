@@ -11,6 +11,7 @@ glibc heap figures), "server": {"memory": the same figures for this process}, "r
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -51,7 +52,9 @@ async def live(request: Request) -> Response:
     try:
         since = float(request.query_params.get("since", "0"))
     except ValueError:
-        raise InvalidRequestError("since must be a number (unix seconds)", "since") from None
+        since = math.nan
+    if not math.isfinite(since):
+        raise InvalidRequestError("since must be a finite number (unix seconds)", "since")
     stats = dataclasses.replace(ctx.client.stats, num_waiting=ctx.client.num_waiting())
     points = ctx.live.points(since, stats) if ctx.live is not None else []
     return JSONResponse({"stages": list(STAGES), "points": points})

@@ -4,7 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
-const state = { history: [], controller: null, lastT: 0, points: [], polling: null };
+const state = { history: [], controller: null, lastT: 0, points: [], polling: null, polling_now: false, model: null };
 
 // ---- requests ---------------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ function renderHistory() {
 
 function snippet(kind) {
   const req = requests($("prompt").value || "Hello!");
-  const body = { model: state.model, ...req.openai };
+  const body = { ...(state.model ? { model: state.model } : {}), ...req.openai };
   const auth = $("api-key").value.trim() ? "$LLMSERVE_API_KEY" : null;  // never the key itself
   if (kind === "curl") {
     const a = auth ? ` \\\n  -H "Authorization: Bearer ${auth}"` : "";
@@ -235,8 +235,15 @@ const fmt = (v, unit = "") => (v == null ? "–" : `${Number.isInteger(v) ? v : 
 const pct = (v) => (v == null ? "–" : `${(v * 100).toFixed(0)}%`);
 
 async function poll() {
+  if (state.polling_now) return;  // one request at a time: a slow answer must not be read twice
+  state.polling_now = true;
+  try { await pollOnce(); } finally { state.polling_now = false; }
+}
+
+async function pollOnce() {
   const res = await fetch(`/stats/live?since=${state.lastT}`, { headers: headers() }).catch(() => null);
   if (!res || !res.ok) { if (res) showError(await failure(res)); return; }
+  showError("");
   const data = await res.json();
   state.points = state.points.concat(data.points).slice(-300);
   if (data.points.length) state.lastT = data.points[data.points.length - 1].t;
@@ -300,6 +307,7 @@ async function loadModel() {
   }
 }
 
+$("params").addEventListener("submit", (e) => e.preventDefault());
 $("send").addEventListener("click", send);
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("clear").addEventListener("click", () => { state.history = []; renderHistory(); resetAnswer(); });
