@@ -165,10 +165,12 @@ class Generation:
         self._semantic_lookup = lookup = await cache.lookup(self.semantic_scope, self.semantic.text)  # type: ignore[union-attr]
         if lookup.match is None:
             return False
-        record = await self.ctx.response_cache.get(lookup.match.entry.response_key, len(self.choices))  # type: ignore[union-attr]
+        answers = self.ctx.response_cache
+        record = await answers.get(lookup.match.entry.response_key, len(self.choices))  # type: ignore[union-attr]
         cache.count_hit(record is not None)  # type: ignore[union-attr]
-        if record is None:  # the answer expired, was evicted, or Redis is away: a miss
-            cache.discard(lookup.match.entry)  # type: ignore[union-attr]
+        if record is None:  # a miss: the answer expired or was evicted, or Redis is away
+            if answers.redis is None:  # in process, the answer is gone for good: forget the entry
+                cache.discard(lookup.match.entry)  # type: ignore[union-attr]
             lookup.match = None
             return False
         self._queue_record(record, "semantic-hit")
