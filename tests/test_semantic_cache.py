@@ -73,9 +73,11 @@ def test_index_search_respects_scope_expiry_capacity_and_key_terms():
     assert index.search("s", q, key_terms(PARAPHRASE), 0.5, now=2e12) is None  # expired
     index.add(entry("s", QUESTION, v, key="france-2"))  # the same (scope, text) replaces its entry
     assert len(index) == 2 and index.search("s", q, key_terms(PARAPHRASE), 0.5).entry.response_key == "france-2"
+    index.discard(index.search("s", q, key_terms(PARAPHRASE), 0.5).entry)  # its answer is gone
+    assert len(index) == 1 and index.search("s", q, key_terms(PARAPHRASE), 0.5) is None
     for i in range(3):  # the ring overwrites the oldest
         index.add(entry("t", f"question number {i} about rivers", rng.standard_normal(8).astype(np.float32)))
-    assert len(index) == 3 and index.search("s", q, key_terms(PARAPHRASE), 0.0) is None
+    assert len(index) == 3 and index.search("s", q, key_terms(PARAPHRASE), -1.0) is None
 
 
 def test_entry_records_round_trip_and_reject_corruption():
