@@ -20,7 +20,7 @@ import httpx
 import pytest
 from server_harness import live_server, wait_for
 
-from llmserve.server.live import LiveStats, percentile_ms
+from llmserve.server.live import LiveStats, _observe, percentile_ms
 
 pytestmark = pytest.mark.timeout(300)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -204,6 +204,10 @@ def test_live_stats_percentiles_and_idle_seconds():
     from llmserve.engine.outputs import EngineStats
 
     assert percentile_ms([0] * 64, 0.5) is None
+    hist = [0] * 64
+    for seconds in [0.010] * 98 + [0.5, 2.0]:
+        _observe(hist, seconds)
+    assert 9 <= percentile_ms(hist, 0.5) <= 11 and 450 <= percentile_ms(hist, 0.99) <= 560  # within a bin (24%)
     now = [1000.2]
     stats = EngineStats(2, 1, 100, 50, 50, 0.5, 10, 4, 0, 1)
     live = LiveStats(lambda: stats, lambda: type("T", (), {"hits": 0, "misses": 0})(), clock=lambda: now[0])

@@ -21,7 +21,6 @@ and trips the circuit breaker.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from llmserve.cache.breaker import CircuitBreaker
+from llmserve.cache.framing import frame, unframe
 
 logger = logging.getLogger("llmserve.cache")
 MAGIC = b"LLMSKV"
@@ -59,18 +59,16 @@ def encode_block(kv: torch.Tensor) -> bytes:
     payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
     header = {"version": VERSION, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape),
               "checksum": zlib.crc32(payload)}
-    h = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + len(h).to_bytes(4, "little") + h + payload
+    return frame(MAGIC, header, payload)
 
 
 def decode_block(raw: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """The block tensor, or None if anything about the value is off."""
     try:
-        if not raw.startswith(MAGIC):
+        framed = unframe(raw, MAGIC)
+        if framed is None:
             return None
-        n = int.from_bytes(raw[6:10], "little")
-        header = json.loads(raw[10 : 10 + n])
-        payload = memoryview(raw)[10 + n :]  # no copy
+        header, payload = framed  # payload: a view, no copy
         ok = (
             header.get("version") == VERSION
             and header.get("dtype") == str(dtype).removeprefix("torch.")

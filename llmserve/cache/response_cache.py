@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from llmserve.cache.breaker import CircuitBreaker
+from llmserve.cache.framing import frame, unframe
 
 logger = logging.getLogger("llmserve.cache")
 MAGIC = b"LLMSRC"
@@ -92,21 +93,19 @@ def cache_key(fingerprint: str, prompts: list[list[int]], params: dict[str, Any]
 def encode_record(key: str, record: ResponseRecord) -> bytes:
     payload = _RECORD.dump_json(record)
     header = {"version": VERSION, "key": key, "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
-    h = json.dumps(header, separators=(",", ":")).encode()
-    return MAGIC + len(h).to_bytes(4, "little") + h + payload
+    return frame(MAGIC, header, payload)
 
 
 def decode_record(raw: bytes, key: str) -> ResponseRecord | None:
     """The record stored under `key`, or None if anything about the value is off."""
     try:
-        if not raw.startswith(MAGIC):
+        framed = unframe(raw, MAGIC)
+        if framed is None:
             return None
-        n = int.from_bytes(raw[6:10], "little")
-        header = json.loads(raw[10 : 10 + n])
-        payload = raw[10 + n :]
+        header, view = framed
+        payload = bytes(view)
         ok = (
-            isinstance(header, dict)
-            and header.get("version") == VERSION
+            header.get("version") == VERSION
             and header.get("key") == key
             and hashlib.blake2b(payload, digest_size=16).hexdigest() == header.get("checksum")
         )

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from llmserve.cache.breaker import CircuitBreaker
+from llmserve.cache.framing import frame, unframe
 from llmserve.cache.key_terms import KeyTerms, key_terms, same_question
 
 logger = logging.getLogger("llmserve.cache")
@@ -85,8 +86,7 @@ def encode_entry(e: SemanticEntry) -> bytes:
     vec = np.ascontiguousarray(e.vector, dtype="<f4").tobytes()
     meta = {"version": VERSION, "scope": e.scope, "text": e.text, "response_key": e.response_key,
             "expires": e.expires, "dim": int(e.vector.shape[0])}
-    header = json.dumps(meta | {"checksum": _checksum(meta, vec)}, separators=(",", ":")).encode()
-    return MAGIC + len(header).to_bytes(4, "little") + header + vec
+    return frame(MAGIC, meta | {"checksum": _checksum(meta, vec)}, vec)
 
 
 def _checksum(meta: dict, vec: bytes) -> str:
@@ -97,11 +97,11 @@ def _checksum(meta: dict, vec: bytes) -> str:
 def decode_entry(raw: bytes) -> SemanticEntry | None:
     """The entry, or None if anything about the record is off."""
     try:
-        if not raw.startswith(MAGIC):
+        framed = unframe(raw, MAGIC)
+        if framed is None:
             return None
-        n = int.from_bytes(raw[6:10], "little")
-        header = json.loads(raw[10 : 10 + n])
-        vec = raw[10 + n :]
+        header, view = framed
+        vec = bytes(view)
         meta = {k: header[k] for k in ("version", "scope", "text", "response_key", "expires", "dim")}
         ok = (meta["version"] == VERSION and isinstance(meta["dim"], int) and len(vec) == 4 * meta["dim"]
               and all(isinstance(meta[k], str) for k in ("scope", "text", "response_key"))
@@ -135,7 +135,8 @@ class VectorIndex:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def add(self, e: SemanticEntry) -> None:
+    def add(self, e: SemanticEntry, terms: KeyTerms | None = None) -> None:
+        """terms: key_terms(e.text), when the caller has them already."""
         slot = self.slots.get((e.scope, e.text))
         if slot is None:
             slot, self.next = self.next, (self.next + 1) % self.capacity
@@ -145,7 +146,7 @@ class VectorIndex:
         self.vectors[slot] = e.vector
         self.scope_ids[slot] = _scope_id(e.scope)
         self.expires[slot] = e.expires
-        self.entries[slot], self.terms[slot] = e, key_terms(e.text)
+        self.entries[slot], self.terms[slot] = e, terms or key_terms(e.text)
         self.slots[(e.scope, e.text)] = slot
 
     def discard(self, e: SemanticEntry) -> None:
@@ -244,6 +245,7 @@ class SemanticLookup:
     scope: str
     text: str
     vector: np.ndarray | None  # None when embedding failed (nothing is stored)
+    terms: KeyTerms
     match: SemanticMatch | None
 
 
@@ -269,10 +271,11 @@ class SemanticCache:
 
     async def lookup(self, scope: str, text: str) -> SemanticLookup:
         vector = await self._embed(text)
-        match = None if vector is None else self.index.search(scope, vector, key_terms(text), self.threshold)
+        terms = key_terms(text)
+        match = None if vector is None else self.index.search(scope, vector, terms, self.threshold)
         if match is None:
             self.stats.misses += 1
-        return SemanticLookup(scope, text, vector, match)
+        return SemanticLookup(scope, text, vector, terms, match)
 
     def count_hit(self, hit: bool) -> None:
         """A match only counts as a hit when its answer is still in the response cache."""
@@ -289,7 +292,7 @@ class SemanticCache:
             return
         entry = SemanticEntry(lookup.scope, lookup.text, response_key, time.time() + self.ttl_s, lookup.vector)
         if self.feed is None:
-            self.index.add(entry)
+            self.index.add(entry, lookup.terms)
             self.stats.stored += 1
         else:
             task = asyncio.get_running_loop().create_task(self.feed.publish(encode_entry(entry)))

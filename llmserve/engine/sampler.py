@@ -71,7 +71,7 @@ class Sampler:
         else:
             generator = self._generator(req)
             state = generator.get_state()
-            targets = self._draw(logits, [req] * len(drafts + [0])).tolist()
+            targets = self._draw(logits, [req] * len(logits)).tolist()
         m = 0
         while m < len(drafts) and drafts[m] == targets[m]:
             m += 1

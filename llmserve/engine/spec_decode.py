@@ -5,9 +5,9 @@ occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_
 the up-to-K tokens that followed it. NgramIndex keeps, per n, the latest end position of every
 n-gram seen, and indexes only the tokens added since the last lookup: O(new tokens) per step.
 
-Verification (ModelRunner + Sampler.verify). The row becomes a K+1-token query [last, d1..dK] at
-consecutive positions, causal inside the row, over the sequence's cached past (the attention
-path of a continued prefill). Position i yields target token y_i, sampled exactly as a plain
+Verification (ModelRunner + Sampler.verify). The row becomes K+1 decode rows [last, d1..dK] at
+consecutive positions on the sequence's blocks, row i seeing start + i + 1 tokens (causal inside
+the row; the same kernel, compiled graph and numerics as a plain decode). Position i yields target token y_i, sampled exactly as a plain
 decode step would sample it (greedy argmax, or the request's own noise draw); d_{i+1} is
 accepted while it equals y_i, and the first y_i that differs is emitted as the correction (or
 y_K as a bonus when every draft matched). For a deterministic draft this is the standard
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from llmserve.engine.request import Request
+from llmserve.errors import InvalidRequestError
 
 logger = logging.getLogger("llmserve.engine")
 PAUSE_STEPS = 16  # a sequence whose drafts do not pay waits this long before it checks again
@@ -51,8 +52,6 @@ class SpecConfig:
     max_batch: int = 8  # no speculation with more running sequences
 
     def validate(self) -> None:
-        from llmserve.errors import InvalidRequestError
-
         if not 1 <= self.num_speculative_tokens <= 16:
             raise InvalidRequestError("--num-speculative-tokens must be in [1, 16]", "num_speculative_tokens")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
@@ -124,8 +123,7 @@ class SpecStats:
     accepted_length_counts: list[int] = field(default_factory=list)  # [i]: rows that accepted i drafts
 
     def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "accepted_length_counts": list(self.accepted_length_counts)}
+        return asdict(self)
 
 
 class NgramProposer:

@@ -73,12 +73,7 @@ class LiveStats:
     def _now(self) -> Second:
         t = int(self.clock())
         if not self.seconds or self.seconds[-1].t != t:
-            prev = self.seconds[-1] if self.seconds else None
-            s = Second(t)
-            if prev is not None:  # counters carry over: a second without news has no delta
-                s.prefix_queries, s.prefix_hits = prev.prefix_queries, prev.prefix_hits
-                s.cache_hits, s.cache_misses = prev.cache_hits, prev.cache_misses
-            self.seconds.append(s)
+            self.seconds.append(_idle(self.seconds[-1], t) if self.seconds else Second(t))
         return self.seconds[-1]
 
     def _stamp(self, s: Second, stats: EngineStats) -> None:
@@ -121,6 +116,7 @@ class LiveStats:
 
 
 def _idle(before: Second, t: int) -> Second:
+    """Second t with nothing happened in it: gauges and cumulative counters carry over."""
     return Second(t, running=before.running, waiting=before.waiting, kv_usage=before.kv_usage,
                   prefix_queries=before.prefix_queries, prefix_hits=before.prefix_hits,
                   cache_hits=before.cache_hits, cache_misses=before.cache_misses)
