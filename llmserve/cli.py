@@ -6,14 +6,19 @@ import argparse
 import logging
 import sys
 
-from llmserve.config import EngineConfig, ServerConfig, add_arguments, from_sources
+from llmserve.config import EngineConfig, RayConfig, ServerConfig, add_arguments, from_sources
 from llmserve.errors import LLMServeError
 
 
 def _serve(args: argparse.Namespace) -> int:
+    engine, server, ray = (from_sources(cls, args) for cls in (EngineConfig, ServerConfig, RayConfig))
+    if ray.ray:
+        from llmserve.ray_serve.app import run_ray
+
+        return run_ray(engine, server, ray)
     from llmserve.server.app import run_server
 
-    return run_server(from_sources(EngineConfig, args), from_sources(ServerConfig, args))
+    return run_server(engine, server)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -80,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the HTTP server")
     add_arguments(s, EngineConfig)
     add_arguments(s, ServerConfig)
+    add_arguments(s, RayConfig)
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="generate from one prompt, printing tokens as they come")

@@ -68,6 +68,24 @@ class ServerConfig:
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
 
+@dataclass(slots=True)
+class RayConfig:
+    """`llmserve serve --ray`: the server as a Ray Serve application (llmserve/ray_serve/)."""
+
+    ray: bool = _opt(False, "serve on Ray Serve: one ingress, engine replicas behind it (pip install 'llmserve[ray]')")
+    ray_address: str | None = _opt(None, "Ray cluster to join (default: $RAY_ADDRESS, else a local Ray instance for this command)")
+    num_replicas: int = _opt(1, "engine replicas (--ray)")
+    min_replicas: int | None = _opt(None, "autoscale engine replicas from this many (--ray; with --max-replicas)")
+    max_replicas: int | None = _opt(None, "autoscale engine replicas up to this many on ongoing requests (--ray)")
+    target_ongoing_requests: int = _opt(16, "ongoing requests per engine replica the autoscaler aims at (--ray)")
+    replica_cpus: float = _opt(1.0, "CPUs Ray reserves for each engine replica; its torch threads default to this (--ray)")
+    request_router: str = _opt("prefix", "how the ingress picks an engine replica (--ray): prefix-aware, or Ray's "
+                               "default (the less loaded of two random replicas)", ("prefix", "default"))
+    router_prefix_blocks: int = _opt(4, "leading KV blocks of a prompt that key the prefix-aware router (--ray)")
+    router_imbalance: int = _opt(8, "the prefix-aware router ignores the prefix when the preferred replica has this many "
+                                 "more ongoing requests than the least loaded (--ray)")
+
+
 def _parse_bool(s: str) -> bool:
     if s.lower() in ("1", "true", "yes", "on"):
         return True

@@ -33,6 +33,18 @@ def hash_block(parent: bytes, token_ids: tuple[int, ...] | list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def chain_block_hashes(root: bytes, token_ids: list[int], block_size: int, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
+    """(hash, tokens) of the first `num_blocks` full blocks of `token_ids`, each hash chained over
+    its parent's from `root`. The engine's prefix cache keys blocks by it, and the Ray request
+    router (ray_serve/router.py) keys prompt prefixes by it."""
+    chain, parent = [], root
+    for i in range(min(num_blocks, len(token_ids) // block_size)):
+        chunk = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        parent = hash_block(parent, chunk)
+        chain.append((parent, chunk))
+    return chain
+
+
 def namespace_hash(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
 
@@ -145,12 +157,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         tokens, bs = request.all_token_ids, self.block_size
-        chain: list[tuple[bytes, tuple[int, ...]]] = []  # (hash, tokens) of every candidate block
-        parent = self.root
-        for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = hash_block(parent, chunk)
-            chain.append((parent, chunk))
+        chain = chain_block_hashes(self.root, tokens, bs, (len(tokens) - 1) // bs)  # every candidate block
         hits: list[KVBlock] = []
         for h, chunk in chain:
             block = self.pool.lookup(h, chunk)

@@ -1,5 +1,6 @@
-"""EngineClient: the one door between the server and the engine. The engine core runs in its own
-OS process (engine/core_proc.py); this side holds no engine state, only what crossed the pipe.
+"""EngineClient: the one door between the server and the engine (EngineDoor, below). The engine
+core runs in its own OS process (engine/core_proc.py); this side holds no engine state, only what
+crossed the pipe.
 
   server (asyncio loop)                                     engine-core process
   add_request(req, sink) --AddRequest / AbortRequests-->    step loop
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Protocol
 
 from llmserve import errors
 from llmserve.config import EngineConfig
@@ -49,11 +51,37 @@ from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from llmserve.sampling import SamplingParams
 
-__all__ = ["EngineClient", "EngineCoreRequest", "EngineInfo", "EngineStats", "RequestOutput", "StepOutputs"]
+__all__ = ["EngineClient", "EngineCoreRequest", "EngineDoor", "EngineInfo", "EngineStats", "RequestOutput", "StepOutputs"]
 
 logger = logging.getLogger("llmserve.engine")
 Sink = Callable[[RequestOutput | BaseException], None]
 STATS_TIMEOUT_S = 10.0
+
+
+class EngineDoor(Protocol):
+    """What the server needs of an engine. Two implementations: EngineClient (below: one engine
+    core in a child process) and RayEngineClient (llmserve/ray_serve/client.py: engine replicas
+    on a Ray cluster). The invariants in this module's docstring hold for both."""
+
+    config: EngineConfig
+    info: EngineInfo
+    stats: EngineStats  # as of the last news from the engine(s); summed over replicas
+    error: EngineDeadError | None  # set once the engine as a whole is gone (never for one replica)
+    sinks: dict[str, Sink]  # requests in flight
+    step_listeners: list[Callable[[StepOutputs], None]]
+
+    @property
+    def alive(self) -> bool: ...
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> EngineCoreRequest: ...
+    def num_waiting(self) -> int: ...
+    def add_request(self, req: EngineCoreRequest, sink: Sink) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def abort_all(self) -> None: ...
+    async def get_stats(self) -> EngineStats: ...
+    def replica_stats(self) -> dict[str, EngineStats]: ...  # per engine replica; {} for one engine
+    async def start(self) -> None: ...
+    async def shutdown(self, timeout: float = 10.0) -> None: ...
+    def close(self) -> None: ...
 
 
 class EngineClient:
@@ -175,6 +203,9 @@ class EngineClient:
             return await asyncio.wait_for(future, STATS_TIMEOUT_S)
         finally:
             self._stats_calls.pop(call_id, None)
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {}  # one engine: its stats are `stats`
 
     def _send(self, msg: object) -> None:
         assert self._writer is not None, "EngineClient.start() has not run"

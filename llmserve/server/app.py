@@ -1,4 +1,4 @@
-"""The Starlette app over one EngineClient, and `llmserve serve`: the engine core in its own
+"""The Starlette app over one engine door (EngineClient, or RayEngineClient under `--ray`), and `llmserve serve`: the engine core in its own
 process, uvicorn in this one, with a graceful SIGTERM.
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes and new requests get 503; in-flight
@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
-from llmserve.engine.client import EngineClient
+from llmserve.engine.client import EngineClient, EngineDoor
 from llmserve.errors import EngineDeadError, LLMServeError
 from llmserve.server import embeddings, native, openai, openapi, playground, stats
 from llmserve.server.context import ServerContext, get_context
@@ -98,9 +98,9 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
-    """The app over the engine behind `client` (launched, not yet started); its lifespan attaches
-    the client to the loop and stops the core process at the end.
+def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
+    """The app over the engine behind `client` (launched, not yet started; a local core process or
+    Ray engine replicas); its lifespan attaches the client to the loop and stops it at the end.
     app.state.ctx (ServerContext) holds the client, the tokenizer, the config, the response cache
     (in process, or in Redis when the engine has a --redis-url) and the semantic cache in front of
     it (--semantic-cache; its entries shared through the same Redis)."""

@@ -41,7 +41,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmserve.cache.response_cache import ResponseCacheStats
-from llmserve.engine.client import EngineClient, EngineStats, RequestOutput
+from llmserve.engine.client import EngineDoor, EngineStats, RequestOutput
 from llmserve.profiling import timings_of
 
 logger = logging.getLogger("llmserve.metrics")
@@ -135,7 +135,7 @@ class ServerMetrics:
             tally = source()
             self._last |= {f"{name}.{k}": getattr(tally, k) for k in counters}
 
-    def attach(self, client: EngineClient, response_cache_source: Callable[[], ResponseCacheStats] | None = None,
+    def attach(self, client: EngineDoor, response_cache_source: Callable[[], ResponseCacheStats] | None = None,
                semantic_cache_source: TallySource | None = None) -> None:
         """Observe the engine behind `client` (a step listener) and the caches' tallies."""
         self.stats_source = lambda: dataclasses.replace(client.stats, num_waiting=client.num_waiting())

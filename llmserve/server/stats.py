@@ -33,8 +33,12 @@ async def stats(request: Request) -> Response:
         "backend": None if cache is None else "redis" if cache.redis is not None else "memory",
         **ctx.response_cache_stats.as_dict(),
     }
-    return JSONResponse({"engine": engine, "server": {"memory": memory_stats()}, "response_cache": response_cache,
-                         "semantic_cache": _semantic(ctx)})
+    body = {"engine": engine, "server": {"memory": memory_stats()}, "response_cache": response_cache,
+            "semantic_cache": _semantic(ctx)}
+    replicas = ctx.client.replica_stats()  # engine replicas (--ray); `engine` is their sum
+    if replicas:
+        body["replicas"] = {rid: dataclasses.asdict(s) for rid, s in sorted(replicas.items())}
+    return JSONResponse(body)
 
 
 def _semantic(ctx: ServerContext) -> dict:

@@ -1,0 +1,126 @@
+"""`llmserve serve --ray`: llmserve as a Ray Serve application.
+
+  build_application(...)  Ingress (1 replica, the Starlette app of `llmserve serve` over a
+                          RayEngineClient) -> Engine (EngineReplica x --num-replicas, or autoscaled
+                          between --min-replicas and --max-replicas on ongoing requests), routed
+                          by PrefixAwareRouter or by Ray's default router (--request-router)
+  run_ray(...)            joins --ray-address / $RAY_ADDRESS, or starts a local Ray instance for
+                          the life of the command; Serve's HTTP proxy listens on --host/--port;
+                          SIGTERM or Ctrl-C deletes the application (and stops a local instance)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from sse_starlette.sse import AppStatus
+
+from llmserve.config import EngineConfig, RayConfig, ServerConfig
+from llmserve.errors import InvalidRequestError
+from llmserve.ray_serve.board import NAMESPACE, board_name
+from llmserve.ray_serve.client import RayEngineClient
+from llmserve.ray_serve.replica import EngineReplica
+from llmserve.server.app import create_app
+
+logger = logging.getLogger("llmserve.ray")
+APP_NAME = "llmserve"
+PREFIX_ROUTER = "llmserve.ray_serve.router.PrefixAwareRouter"
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP side: everything `llmserve serve` does in its server process."""
+
+    async def __init__(self, engine, engine_config: EngineConfig, server_config: ServerConfig, app_name: str):
+        AppStatus.disable_automatic_graceful_drain()  # streams end through the client's abort
+        logging.getLogger("llmserve").setLevel(server_config.log_level.upper())
+        self.server_config = server_config
+        self.client = await RayEngineClient.connect(engine, engine_config, app_name, max_waiting=server_config.max_waiting,
+                                                    max_waiting_tokens=server_config.max_waiting_tokens)
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.client, self.server_config)
+
+
+def build_application(engine_config: EngineConfig, server_config: ServerConfig, ray_config: RayConfig,
+                      app_name: str = APP_NAME):
+    """The bound application (serve.run takes it)."""
+    check(ray_config)
+    if engine_config.num_threads is None:  # the replica's share of the CPUs, not the whole machine's
+        engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(ray_config.replica_cpus)))
+    router = RequestRouterConfig()  # Ray's default: the less loaded of two random replicas
+    if ray_config.request_router == "prefix":
+        router = RequestRouterConfig(request_router_class=PREFIX_ROUTER, request_router_kwargs={
+            "block_size": engine_config.block_size, "prefix_blocks": ray_config.router_prefix_blocks,
+            "imbalance": ray_config.router_imbalance})
+    engine = serve.deployment(EngineReplica).options(
+        name="Engine",
+        ray_actor_options={"num_cpus": ray_config.replica_cpus},
+        max_ongoing_requests=2 * engine_config.max_num_seqs,  # the running batch, and as many waiting
+        request_router_config=router,
+        health_check_period_s=2.0,
+        graceful_shutdown_timeout_s=5.0,
+        **_scaling(ray_config),
+    ).bind(engine_config, app_name, server_config.log_level)
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},  # I/O-bound; the CPUs are the engines'
+        max_ongoing_requests=server_config.max_waiting + 64 * max(1, ray_config.max_replicas or ray_config.num_replicas),
+    )
+    return ingress.bind(engine, engine_config, server_config, app_name)
+
+
+def check(ray_config: RayConfig) -> None:
+    if (ray_config.min_replicas is None) != (ray_config.max_replicas is None):
+        raise InvalidRequestError("--min-replicas and --max-replicas go together")
+    if ray_config.min_replicas is not None and not 0 < ray_config.min_replicas <= ray_config.max_replicas:  # type: ignore[operator]
+        raise InvalidRequestError("need 0 < --min-replicas <= --max-replicas")
+    if ray_config.num_replicas < 1 or ray_config.replica_cpus <= 0:
+        raise InvalidRequestError("--num-replicas must be at least 1 and --replica-cpus positive")
+
+
+def _scaling(ray_config: RayConfig) -> dict:
+    if ray_config.min_replicas is None:
+        return {"num_replicas": ray_config.num_replicas}
+    return {"autoscaling_config": {"min_replicas": ray_config.min_replicas, "max_replicas": ray_config.max_replicas,
+                                   "target_ongoing_requests": ray_config.target_ongoing_requests}}
+
+
+def run_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config: RayConfig) -> int:
+    """Deploy, serve until SIGTERM/SIGINT, delete the application; the exit code."""
+    app = build_application(engine_config, server_config, ray_config)
+    address = ray_config.ray_address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address, namespace=NAMESPACE, logging_level=server_config.log_level.upper(),
+             **({} if address else {"include_dashboard": False}))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": server_config.host, "port": server_config.port})
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        logger.info("serving on http://%s:%d (Ray Serve, %s)", server_config.host, server_config.port,
+                    f"cluster {address}" if address else "a local Ray instance")
+        stop.wait()
+        logger.info("stopping: deleting the application")
+    finally:
+        _teardown(local=not address)
+    return 0
+
+
+def _teardown(local: bool) -> None:
+    try:
+        serve.delete(APP_NAME)
+        ray.kill(ray.get_actor(board_name(APP_NAME), namespace=NAMESPACE))
+    except Exception as e:  # already gone
+        logger.debug("teardown: %s", e)
+    if local:
+        serve.shutdown()
+    ray.shutdown()

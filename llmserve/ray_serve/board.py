@@ -1,0 +1,83 @@
+"""StatsBoard: where engine replicas post their EngineStats, for the ingress to read.
+
+A Ray Serve handle reaches *some* replica, never a chosen one, so per-replica stats cannot be
+asked for; each replica posts its own instead (every POST_INTERVAL_S), and the ingress reads the
+board (every READ_INTERVAL_S, and for GET /stats). One named actor per application; an entry
+older than STALE_S belongs to a replica that has gone and is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import ray
+
+from llmserve.engine.outputs import EngineStats
+
+POST_INTERVAL_S = 0.5
+READ_INTERVAL_S = 0.5
+STALE_S = 5.0
+NAMESPACE = "llmserve"
+
+
+@ray.remote(num_cpus=0)
+class StatsBoard:
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[float, EngineStats]] = {}  # replica id -> (posted at, stats)
+
+    def post(self, replica_id: str, stats: EngineStats) -> None:
+        self.entries[replica_id] = (time.monotonic(), stats)
+
+    def read(self) -> dict[str, EngineStats]:
+        now = time.monotonic()
+        self.entries = {r: e for r, e in self.entries.items() if now - e[0] <= STALE_S}
+        return {r: s for r, (_, s) in self.entries.items()}
+
+
+def board_name(app_name: str) -> str:
+    return f"llmserve-stats:{app_name}"
+
+
+def get_board(app_name: str):
+    """The application's board, created by whoever asks first (detached: it outlives a replica
+    restart; `llmserve serve --ray` kills it with the application)."""
+    return StatsBoard.options(name=board_name(app_name), namespace=NAMESPACE, lifetime="detached",
+                              get_if_exists=True).remote()
+
+
+def sum_stats(stats: list[EngineStats], empty: EngineStats) -> EngineStats:
+    """The replicas' stats as one engine's: counts and counters add up, usage is recomputed;
+    `empty` when there are none."""
+    if not stats:
+        return empty
+    total = {}
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in stats]
+        if isinstance(values[0], dict):
+            total[f.name] = _sum_dicts(values)
+        else:
+            total[f.name] = sum(values)
+    used, blocks = total["num_blocks_used"], total["num_blocks_total"]
+    total["kv_cache_usage"] = used / blocks if blocks else 0.0
+    return EngineStats(**total)
+
+
+def _sum_dicts(dicts: list[dict]) -> dict:
+    """Numbers summed, lists of numbers summed element-wise (histogram counts); anything else
+    kept from the first replica that has it."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            if k not in out:
+                out[k] = list(v) if isinstance(v, list) else v
+            elif _number(v) and _number(out[k]):
+                out[k] += v
+            elif isinstance(v, list) and isinstance(out[k], list) and all(map(_number, v + out[k])):
+                out[k] = [a + b for a, b in itertools.zip_longest(out[k], v, fillvalue=0)]
+    return out
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -1,0 +1,88 @@
+"""EngineReplica: one llmserve engine as a Ray Serve replica (the Engine deployment).
+
+The replica runs the engine exactly as `llmserve serve` does: an engine-core process behind a
+local EngineClient (engine/client.py). `generate` streams one request's outputs to the ingress as
+ReplicaChunks; the ingress cancelling the stream (its client went away) aborts the request here,
+which frees its KV blocks. Ray restarts a replica whose actor dies, or whose core process died
+(check_health fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray import serve
+
+from llmserve.config import EngineConfig
+from llmserve.engine.admission import EngineCoreRequest, EngineInfo
+from llmserve.engine.client import EngineClient
+from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.ray_serve.board import POST_INTERVAL_S, get_board
+
+logger = logging.getLogger("llmserve.ray")
+UNBOUNDED = 1 << 30  # Ray's max_ongoing_requests bounds a replica's queue; the ingress answers 429
+
+
+@dataclass(slots=True)
+class ReplicaChunk:
+    """What one replica sends the ingress for one request: the outputs since the last chunk
+    (several when the ingress reads slower than the engine steps)."""
+
+    replica_id: str
+    outputs: list[RequestOutput]
+
+
+class EngineReplica:
+    async def __init__(self, config: EngineConfig, app_name: str, log_level: str = "info"):
+        logging.getLogger("llmserve").setLevel(log_level.upper())
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.client = await asyncio.to_thread(EngineClient.launch, config, log_level, UNBOUNDED)
+        await self.client.start()
+        self.board = get_board(app_name)
+        self._poster = asyncio.get_running_loop().create_task(self._post_stats())
+        logger.info("engine replica %s ready (core process %d)", self.replica_id, self.client.proc.pid)
+
+    async def info(self) -> EngineInfo:
+        return self.client.info
+
+    async def stats(self) -> EngineStats:
+        return await self.client.get_stats()
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[ReplicaChunk]:
+        """Stream `request`'s outputs until it finishes. Raises the engine's typed error (e.g.
+        EngineDeadError) when it cannot finish; a cancelled stream aborts it."""
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.client.add_request(request, queue.put_nowait)
+        finished = False
+        try:
+            while not finished:
+                outputs = []
+                for item in [await queue.get()] + [queue.get_nowait() for _ in range(queue.qsize())]:
+                    if isinstance(item, BaseException):
+                        raise item
+                    outputs.append(item)
+                    finished = finished or item.finished
+                yield ReplicaChunk(self.replica_id, outputs)
+        finally:
+            if not finished:  # cancelled (the ingress's client left) or failed
+                self.client.abort_request(request.request_id)
+
+    def check_health(self) -> None:
+        """Ray's health check: a replica whose engine core died is replaced."""
+        if not self.client.alive:
+            raise RuntimeError(self.client.error.message if self.client.error else "the engine core has stopped")
+
+    async def _post_stats(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a board restarting, or an engine just died: next time
+                self.board.post.remote(self.replica_id, await self.client.get_stats())
+            await asyncio.sleep(POST_INTERVAL_S)
+
+    def __del__(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
