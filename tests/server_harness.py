@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import torch
 import uvicorn
+from redis_fixture import free_port
 
 from llmserve.config import EngineConfig, ServerConfig, from_sources
 from llmserve.engine.client import EngineClient
@@ -128,12 +129,11 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90) -> Iterator[ServerProcess]:
-    """`python -m llmserve.cli serve --model DIR --port P ARGS...` on a free port; yields it once
-    /health answers 200; SIGTERM (then SIGKILL) on exit. Its log goes to log_path."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90, port: int | None = None) -> Iterator[ServerProcess]:
+    """`python -m llmserve.cli serve --model DIR --port P ARGS...` on `port` (default: a free
+    one); yields it once /health answers 200; SIGTERM (then SIGKILL) on exit. Its log goes to
+    log_path."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model_dir, "--port", str(port),
            "--num-threads", "1", "--log-level", "warning", *args]

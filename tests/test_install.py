@@ -6,7 +6,6 @@ lands in the user cache directory (nothing is written beside the installed packa
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis_fixture import free_port
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +24,6 @@ def _run(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
     assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +54,7 @@ def test_wheel_serves_from_any_directory(installed, tmp_path):
     models = _run(bin_dir / "python", "-c", "from llmserve.model.resolve import models_dir; print(models_dir())", cwd=work, env=env)
     assert models.stdout.strip() == str(Path(env["HOME"]) / ".cache/llmserve/models")  # converted GGUF models go there
     _run(bin_dir / "llmserve", "make-model", "tiny", work / "tiny", cwd=work, env=env)  # presets ship in the wheel
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen(
         [str(bin_dir / "llmserve"), "serve", "--model", "tiny", "--port", str(port), "--num-threads", "1"],
