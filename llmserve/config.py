@@ -82,7 +82,7 @@ class RayConfig:
     request_router: str = _opt("prefix", "how the ingress picks an engine replica (--ray): prefix-aware, or Ray's "
                                "default (the less loaded of two random replicas)", ("prefix", "default"))
     router_prefix_blocks: int = _opt(4, "leading KV blocks of a prompt that key the prefix-aware router (--ray)")
-    router_imbalance: int = _opt(8, "the prefix-aware router ignores the prefix when the preferred replica has this many "
+    router_imbalance: int = _opt(32, "the prefix-aware router ignores the prefix when the preferred replica has this many "
                                  "more ongoing requests than the least loaded (--ray)")
 
 

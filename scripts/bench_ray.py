@@ -35,6 +35,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--compile", default="none", help="the engines' --compile (none: the quickest start)")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--router-imbalance", type=int, default=None, help="(c)'s --router-imbalance (default: the server's)")
     p.add_argument("--num-prompts", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-prefixes", type=int, default=8)
@@ -95,7 +96,8 @@ def start_ray(args: argparse.Namespace) -> dict[str, str]:
     server = from_sources(ServerConfig, env={}, response_cache=False, log_level="warning")
     urls = {}
     for router in ("default", "prefix"):
-        ray_config = from_sources(RayConfig, env={}, num_replicas=args.replicas, request_router=router)
+        tuning = {"router_imbalance": args.router_imbalance} if args.router_imbalance is not None else {}
+        ray_config = from_sources(RayConfig, env={}, num_replicas=args.replicas, request_router=router, **tuning)
         app = build_application(engine, server, ray_config, app_name=f"bench-{router}")
         serve.run(app, name=f"bench-{router}", route_prefix=f"/{router}")
         urls[router] = f"http://127.0.0.1:{args.port + 1}/{router}"

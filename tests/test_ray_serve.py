@@ -191,3 +191,17 @@ def test_a_dead_replica_fails_only_its_streams_and_comes_back(app):
         complete(app.url, f"after the failure {i}", max_tokens=3)
     wait_for(lambda: len(stats(app)["replicas"]) == 2 and victim not in stats(app)["replicas"], 90,
              "Ray started a new replica", interval=0.5)
+
+
+def test_replica_stats_add_up():
+    from llmserve.engine.outputs import EngineStats
+    from llmserve.ray_serve.board import sum_stats
+
+    a = EngineStats(2, 1, 100, 60, 40, 0.4, 500, 300, 0, 10, kv_store={"hits": 3}, spec_decode={"accepted_length_counts": [1, 2]})
+    b = EngineStats(1, 0, 100, 90, 10, 0.1, 200, 50, 1, 20, kv_store={"hits": 4, "misses": 1},
+                    spec_decode={"accepted_length_counts": [5, 0, 7]})
+    total = sum_stats([a, b], EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0))
+    assert (total.num_running, total.num_waiting, total.num_blocks_total, total.num_blocks_used) == (3, 1, 200, 50)
+    assert total.kv_cache_usage == 0.25 and (total.prefix_cache_queries, total.prefix_cache_hits) == (700, 350)
+    assert total.kv_store == {"hits": 7, "misses": 1}
+    assert total.spec_decode == {"accepted_length_counts": [6, 2, 7]}

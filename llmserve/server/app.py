@@ -37,7 +37,7 @@ from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.client import EngineClient, EngineDoor
 from llmserve.errors import EngineDeadError, LLMServeError
-from llmserve.server import embeddings, native, openai, openapi, playground, stats
+from llmserve.server import embeddings, native, openai, openapi, playground, router_probe, stats
 from llmserve.server.context import ServerContext, get_context
 from llmserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -52,7 +52,6 @@ from llmserve.structured import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmserve.server")
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key, served while draining (Prometheus scrapes)
 DEATH_LINGER_S = 1.0  # after the core dies: time for error bodies to flush and /health to say 503
 
 
@@ -64,17 +63,13 @@ class Gate:
         self.ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self._page(scope["path"]):
+        if scope["type"] == "http" and scope["path"] not in openapi.OPEN_PATHS:
             err = self._refusal(Headers(scope=scope))
             if err is not None:
                 headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, AuthenticationError) else None
                 await error_response(err, headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-    def _page(self, path: str) -> bool:
-        """The playground's page and assets: no API key (the page asks for it)."""
-        return self.ctx.config.playground and path in playground.OPEN_PATHS
 
     def _refusal(self, headers: Headers) -> LLMServeError | None:
         key = self.ctx.config.api_key
@@ -134,7 +129,7 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
     pages = playground.routes if config.playground else []
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *embeddings.routes,
-                *stats.routes, *openapi.routes, *pages],
+                *stats.routes, *router_probe.routes, *openapi.routes, *pages],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,

@@ -30,7 +30,9 @@ from llmserve.server.protocol import (
 )
 
 REF = "#/components/schemas/{model}"
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json", *playground.OPEN_PATHS)  # no API key
+# no API key, served while draining (Prometheus scrapes, routers probe); the playground's page and
+# assets too (the page asks for the key)
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/get_load", *playground.OPEN_PATHS)
 ERROR_STATUSES = {
     400: "Invalid request (the body names the bad parameter in error.param)",
     401: "Missing or wrong API key (with --api-key)",
@@ -78,6 +80,11 @@ OPERATIONS = (
     Operation("/metrics", "get", "Prometheus metrics", success="text/plain", errors=()),
     Operation("/stats", "get", "Engine, memory and cache figures as JSON", errors=(401,)),
     Operation("/openapi.json", "get", "This description", errors=()),
+    *(Operation(p, "get", "The model, as sglang-router and vllm-router read it", errors=(401,)) for p in ("/get_model_info", "/model_info")),
+    *(Operation(p, "get", "Engine and server settings and state, as sglang-router reads them", errors=(401,))
+      for p in ("/get_server_info", "/server_info")),
+    Operation("/get_load", "get", "Load per engine, as sglang-router (list) or vllm-router (object) reads it",
+              errors=(400,), query=(("format", "string"),)),
     Operation("/stats/live", "get", "The dashboard's per-second figures", errors=(400, 401), query=(("since", "number"),)),
     *(Operation(p, "get", "The browser playground and dashboard (a page)", success="text/html", errors=()) for p in playground.PAGES),
     *(Operation(p, "get", "An asset of the playground", success=t, errors=()) for p, (_, t) in playground.ASSETS.items()),
