@@ -145,6 +145,8 @@ def test_disconnect_frees_blocks_in_the_replica(app):
         assert sse_data(next(lines) for _ in range(4))
         wait_for(lambda: any(n == 1 and used > 0 for n, used in running().values()), 10,
                  "the stream runs in a replica", interval=0.1)
+        wait_for(lambda: sorted(e["num_reqs"] for e in httpx.get(app.url + "/get_load").json()) == [0, 1], 5,
+                 "/get_load lists both replicas, one running the stream", interval=0.1)
     wait_for(lambda: all(v == (0, 0) for v in running().values()), 10, "the replica freed the request's blocks",
              interval=0.1)
 
