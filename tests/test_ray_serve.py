@@ -202,8 +202,38 @@ def test_replica_stats_add_up():
     a = EngineStats(2, 1, 100, 60, 40, 0.4, 500, 300, 0, 10, kv_store={"hits": 3}, spec_decode={"accepted_length_counts": [1, 2]})
     b = EngineStats(1, 0, 100, 90, 10, 0.1, 200, 50, 1, 20, kv_store={"hits": 4, "misses": 1},
                     spec_decode={"accepted_length_counts": [5, 0, 7]})
-    total = sum_stats([a, b], EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0))
+    empty = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0)
+    total = sum_stats([a, b], [], empty)
     assert (total.num_running, total.num_waiting, total.num_blocks_total, total.num_blocks_used) == (3, 1, 200, 50)
     assert total.kv_cache_usage == 0.25 and (total.prefix_cache_queries, total.prefix_cache_hits) == (700, 350)
     assert total.kv_store == {"hits": 7, "misses": 1}
     assert total.spec_decode == {"accepted_length_counts": [6, 2, 7]}
+    # b's replica has gone: its counters still count, its load does not
+    after = sum_stats([a], [b], empty)
+    assert (after.num_running, after.num_blocks_total, after.num_blocks_used) == (2, 100, 40)
+    assert (after.prefix_cache_queries, after.prefix_cache_hits, after.num_steps) == (700, 350, 30)
+    assert after.kv_store == {"hits": 7, "misses": 1}
+    assert sum_stats([], [], empty) is empty
+
+
+def test_application_settings():
+    from llmserve.config import EngineConfig, RayConfig, ServerConfig
+    from llmserve.errors import InvalidRequestError
+    from llmserve.ray_serve.app import PREFIX_ROUTER, build_application
+
+    def engine_deployment(**ray_options):
+        app = build_application(EngineConfig(max_num_seqs=8), ServerConfig(), RayConfig(**ray_options))
+        return app._bound_deployment.init_args[0]._bound_deployment
+
+    scaled = engine_deployment(min_replicas=1, max_replicas=3, replica_cpus=2)
+    auto = scaled._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 16)
+    assert scaled.ray_actor_options["num_cpus"] == 2 and scaled.init_args[0].num_threads == 2
+    assert scaled.max_ongoing_requests == 16
+    fixed = engine_deployment(num_replicas=3, request_router="default")
+    assert fixed.num_replicas == 3 and fixed._deployment_config.request_router_config.request_router_class != PREFIX_ROUTER
+    prefix = engine_deployment()._deployment_config.request_router_config
+    assert prefix.request_router_class == PREFIX_ROUTER and prefix.request_router_kwargs["imbalance"] == 32
+    for bad in ({"min_replicas": 1}, {"min_replicas": 3, "max_replicas": 2}, {"num_replicas": 0}, {"replica_cpus": 0}):
+        with pytest.raises(InvalidRequestError):
+            build_application(EngineConfig(), ServerConfig(), RayConfig(**bad))

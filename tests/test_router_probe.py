@@ -12,12 +12,14 @@ from server_harness import live_server
 from llmserve.server.router_probe import _without_password
 
 KEY = "probe-secret"
+REDIS_PASSWORD = "redis-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_model):
-    with live_server(tiny_model, api_key=KEY, max_num_seqs=8) as s:
+    # a Redis that is not there (every call a miss): /get_server_info must not show its password
+    with live_server(tiny_model, api_key=KEY, max_num_seqs=8, redis_url=f"redis://:{REDIS_PASSWORD}@127.0.0.1:9/0") as s:
         yield s
 
 
@@ -30,7 +32,8 @@ def test_model_and_server_info(keyed):
         assert body["is_generation"] is True and body["served_model_name"] == keyed.model
     for path in ("/get_server_info", "/server_info"):
         r = httpx.get(keyed.url + path, headers=AUTH)
-        assert r.status_code == 200 and KEY not in r.text
+        assert r.status_code == 200 and KEY not in r.text and REDIS_PASSWORD not in r.text
+        assert r.json()["redis_url"] == "redis://:***@127.0.0.1:9/0"
         body = r.json()
         assert body["dp_size"] == 1 and body["max_running_requests"] == 8
         assert body["max_total_num_tokens"] == info.num_kv_blocks * info.block_size
@@ -55,5 +58,6 @@ def test_load_reports_the_engine_without_a_key(keyed):
 
 def test_server_info_hides_a_redis_password():
     assert _without_password("redis://user:pw@10.0.0.1:6380/0") == "redis://user:***@10.0.0.1:6380/0"
-    assert _without_password("redis://:pw@cache/1") == "redis://:***@cache/1"
+    assert _without_password("redis://:pw@[::1]:6379/1") == "redis://:***@[::1]:6379/1"
+    assert _without_password("redis://cache/0?password=pw&socket_timeout=1") == "redis://cache/0?password=***&socket_timeout=1"
     assert _without_password("redis://cache:6379/0") == "redis://cache:6379/0"

@@ -172,10 +172,7 @@ class EngineClient:
         if self._closing:
             raise EngineDeadError("the server is shutting down")
         tokens_waiting = self._tokens_sent - self._tokens_seen  # an estimate: the core's own queue adds to it
-        if self.num_waiting() >= self.max_waiting or (
-            self.max_waiting_tokens is not None and tokens_waiting + len(req.prompt_token_ids) > self.max_waiting_tokens
-        ):
-            raise EngineOverloadedError(f"the server is overloaded ({self.num_waiting()} requests waiting); retry later")
+        check_waiting(req, self.num_waiting(), tokens_waiting, self.max_waiting, self.max_waiting_tokens)
         self.sinks[req.request_id] = sink
         self._num_sent += 1
         self._tokens_sent += len(req.prompt_token_ids)
@@ -232,9 +229,7 @@ class EngineClient:
             if sink is not None:
                 sink(InvalidRequestError(message))
         for o in step.outputs:
-            sink = self.sinks.pop(o.request_id, None) if o.finished else self.sinks.get(o.request_id)
-            if sink is not None:
-                sink(o)
+            deliver(self.sinks, o)
         for listener in self.step_listeners:
             listener(step)
 
@@ -255,6 +250,22 @@ class EngineClient:
         for future in self._stats_calls.values():
             if not future.done():
                 future.set_exception(self.error)
+
+
+def check_waiting(req: EngineCoreRequest, num_waiting: int, tokens_waiting: int, max_waiting: int,
+                  max_waiting_tokens: int | None) -> None:
+    """429 (EngineOverloadedError) when `req` would make too many requests or prompt tokens wait."""
+    if num_waiting >= max_waiting or (
+        max_waiting_tokens is not None and tokens_waiting + len(req.prompt_token_ids) > max_waiting_tokens
+    ):
+        raise EngineOverloadedError(f"the server is overloaded ({num_waiting} requests waiting); retry later")
+
+
+def deliver(sinks: dict[str, Sink], output: RequestOutput) -> None:
+    """Hand `output` to its request's sink; a finished request's sink is forgotten."""
+    sink = sinks.pop(output.request_id, None) if output.finished else sinks.get(output.request_id)
+    if sink is not None:
+        sink(output)
 
 
 class _FromCoreProtocol(asyncio.Protocol):

@@ -66,14 +66,18 @@ def build_application(engine_config: EngineConfig, server_config: ServerConfig, 
         max_ongoing_requests=2 * engine_config.max_num_seqs,  # the running batch, and as many waiting
         request_router_config=router,
         health_check_period_s=2.0,
-        graceful_shutdown_timeout_s=5.0,
+        # outlives the ingress's drain, which ends every stream with a final "abort" output
+        graceful_shutdown_timeout_s=max(0.0, server_config.shutdown_timeout) + 10,
         **_scaling(ray_config),
     ).bind(engine_config, app_name, server_config.log_level)
+    replicas = ray_config.max_replicas or ray_config.num_replicas
     ingress = serve.deployment(Ingress).options(
         name="Ingress",
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},  # I/O-bound; the CPUs are the engines'
-        max_ongoing_requests=server_config.max_waiting + 64 * max(1, ray_config.max_replicas or ray_config.num_replicas),
+        # what the engines take (their own limit above), what may wait (then 429), and room for probes
+        max_ongoing_requests=server_config.max_waiting + 2 * engine_config.max_num_seqs * replicas + 64,
+        graceful_shutdown_timeout_s=max(0.0, server_config.shutdown_timeout),  # in-flight streams may finish
     )
     return ingress.bind(engine, engine_config, server_config, app_name)
 
@@ -85,6 +89,8 @@ def check(ray_config: RayConfig) -> None:
         raise InvalidRequestError("need 0 < --min-replicas <= --max-replicas")
     if ray_config.num_replicas < 1 or ray_config.replica_cpus <= 0:
         raise InvalidRequestError("--num-replicas must be at least 1 and --replica-cpus positive")
+    if ray_config.router_prefix_blocks < 1 or ray_config.router_imbalance < 1 or ray_config.target_ongoing_requests < 1:
+        raise InvalidRequestError("--router-prefix-blocks, --router-imbalance and --target-ongoing-requests must be at least 1")
 
 
 def _scaling(ray_config: RayConfig) -> dict:
@@ -101,18 +107,26 @@ def run_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config
     ray.init(address=address, namespace=NAMESPACE, logging_level=server_config.log_level.upper(),
              **({} if address else {"include_dashboard": False}))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, _interrupt)  # while deploying: stop at once (Ctrl-C too)
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         logger.info("serving on http://%s:%d (Ray Serve, %s)", server_config.host, server_config.port,
                     f"cluster {address}" if address else "a local Ray instance")
         stop.wait()
         logger.info("stopping: deleting the application")
+    except KeyboardInterrupt:
+        logger.info("interrupted while deploying: deleting the application")
+        return 130
     finally:
         _teardown(local=not address)
     return 0
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _teardown(local: bool) -> None:

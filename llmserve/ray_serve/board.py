@@ -22,7 +22,7 @@ STALE_S = 5.0
 NAMESPACE = "llmserve"
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1)
 class StatsBoard:
     def __init__(self) -> None:
         self.entries: dict[str, tuple[float, EngineStats]] = {}  # replica id -> (posted at, stats)
@@ -42,23 +42,33 @@ def board_name(app_name: str) -> str:
 
 def get_board(app_name: str):
     """The application's board, created by whoever asks first (detached: it outlives a replica
-    restart; `llmserve serve --ray` kills it with the application)."""
+    restart, and Ray restarts it; `llmserve serve --ray` kills it with the application)."""
     return StatsBoard.options(name=board_name(app_name), namespace=NAMESPACE, lifetime="detached",
                               get_if_exists=True).remote()
 
 
-def sum_stats(stats: list[EngineStats], empty: EngineStats) -> EngineStats:
-    """The replicas' stats as one engine's: counts and counters add up, usage is recomputed;
-    `empty` when there are none."""
-    if not stats:
-        return empty
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps")
+COUNTER_DICTS = ("kv_store", "spec_decode")  # of counters (memory: gauges)
+
+
+def sum_stats(current: list[EngineStats], retired: list[EngineStats], empty: EngineStats) -> EngineStats:
+    """The replicas' stats as one engine's: counts and counters add up, usage is recomputed. The
+    counters of `retired` replicas (gone from the board) still count, so that totals never go
+    back; `empty` when no replica has posted."""
+    total = _sum(current) if current else empty
+    if not retired:
+        return total
+    gone = _sum(retired)
+    return dataclasses.replace(
+        total, **{f: getattr(total, f) + getattr(gone, f) for f in COUNTERS},
+        **{f: _sum_dicts([getattr(total, f), getattr(gone, f)]) for f in COUNTER_DICTS})
+
+
+def _sum(stats: list[EngineStats]) -> EngineStats:
     total = {}
     for f in dataclasses.fields(EngineStats):
         values = [getattr(s, f.name) for s in stats]
-        if isinstance(values[0], dict):
-            total[f.name] = _sum_dicts(values)
-        else:
-            total[f.name] = sum(values)
+        total[f.name] = _sum_dicts(values) if isinstance(values[0], dict) else sum(values)
     used, blocks = total["num_blocks_used"], total["num_blocks_total"]
     total["kv_cache_usage"] = used / blocks if blocks else 0.0
     return EngineStats(**total)

@@ -15,26 +15,36 @@ reached a live engine) is sent again, up to RETRIES times, so new requests go to
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ray.exceptions import RayTaskError
 
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
-from llmserve.engine.client import Sink
+from llmserve.engine.client import Sink, check_waiting, deliver
 from llmserve.engine.messages import StepOutputs
 from llmserve.engine.outputs import EngineStats, RequestOutput
-from llmserve.errors import EngineDeadError, EngineOverloadedError, LLMServeError
+from llmserve.errors import EngineDeadError, LLMServeError
 from llmserve.profiling import STAGES
 from llmserve.ray_serve.board import READ_INTERVAL_S, get_board, sum_stats
-from llmserve.ray_serve.replica import ReplicaChunk
 from llmserve.sampling import SamplingParams
 
 logger = logging.getLogger("llmserve.ray")
 RETRIES = 2
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One request sent to the Engine deployment."""
+
+    task: asyncio.Task | None  # streams its outputs to the sink
+    prompt_tokens: int
+    started: bool = False  # an output has come
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class RayEngineClient:
@@ -48,11 +58,10 @@ class RayEngineClient:
         self.error: EngineDeadError | None = None
         self._empty = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0)
         self.stats = self._empty
-        self._replicas: dict[str, EngineStats] = {}
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._unstarted: dict[str, int] = {}  # request id -> prompt tokens, until its first output
-        self._num_output: dict[str, int] = {}  # request id -> output tokens so far
-        self._board = get_board(app_name)
+        self._replicas: dict[str, EngineStats] = {}  # as last posted on the board
+        self._retired: dict[str, EngineStats] = {}  # replicas gone from the board: their counters still count
+        self._requests: dict[str, InFlight] = {}
+        self._board = None  # the StatsBoard actor, from start()
         self._reader: asyncio.Task | None = None
         self._closing = False
 
@@ -68,10 +77,11 @@ class RayEngineClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         self.close()
-        tasks = list(self._tasks.values())
+        tasks = [r.task for r in self._requests.values() if r.task is not None]
         for t in tasks:
             t.cancel()
-        await asyncio.wait(tasks, timeout=timeout) if tasks else None
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
 
     def close(self) -> None:
         self._closing = True
@@ -89,34 +99,33 @@ class RayEngineClient:
 
     def num_waiting(self) -> int:
         """Requests sent that have no output yet (queued in the router or in a replica)."""
-        return len(self._unstarted)
+        return sum(not r.started for r in self._requests.values())
 
     def add_request(self, req: EngineCoreRequest, sink: Sink) -> None:
         if self._closing:
             raise EngineDeadError("the server is shutting down")
-        tokens_waiting = sum(self._unstarted.values())
-        if self.num_waiting() >= self.max_waiting or (
-            self.max_waiting_tokens is not None and tokens_waiting + len(req.prompt_token_ids) > self.max_waiting_tokens
-        ):
-            raise EngineOverloadedError(f"the server is overloaded ({self.num_waiting()} requests waiting); retry later")
+        tokens_waiting = sum(r.prompt_tokens for r in self._requests.values() if not r.started)
+        check_waiting(req, self.num_waiting(), tokens_waiting, self.max_waiting, self.max_waiting_tokens)
         rid = req.request_id
         self.sinks[rid] = sink
-        self._unstarted[rid] = len(req.prompt_token_ids)
-        self._num_output[rid] = 0
-        self._tasks[rid] = asyncio.get_running_loop().create_task(self._stream(req))
+        record = self._requests[rid] = InFlight(None, len(req.prompt_token_ids))
+        record.task = asyncio.get_running_loop().create_task(self._stream(req, record))
+        # also when the task is cancelled before it ever ran (its `finally` would not)
+        record.task.add_done_callback(lambda _: self._requests.pop(rid, None))
 
     def abort_request(self, request_id: str) -> None:
         """The caller has gone: forget its sink; cancelling the stream aborts it in its replica."""
         self.sinks.pop(request_id, None)
-        task = self._tasks.get(request_id)
-        if task is not None:
-            task.cancel()
+        record = self._requests.get(request_id)
+        if record is not None and record.task is not None:
+            record.task.cancel()
 
     def abort_all(self) -> None:
         """Each stream ends with a final "abort" output, then its replica aborts it."""
         for rid in list(self.sinks):
-            sink = self.sinks.pop(rid)
-            sink(RequestOutput(rid, [], "", [], True, "abort", None, 0, self._num_output.get(rid, 0), 0, time.time()))
+            r = self._requests.get(rid) or InFlight(None, 0)
+            self._deliver([RequestOutput(rid, [], "", [], True, "abort", None, r.prompt_tokens, r.num_output_tokens,
+                                         r.num_cached_tokens, time.time())])
             self.abort_request(rid)
 
     async def get_stats(self) -> EngineStats:
@@ -128,43 +137,42 @@ class RayEngineClient:
 
     # ---- streams ----------------------------------------------------------------------------
 
-    async def _stream(self, req: EngineCoreRequest) -> None:
-        rid = req.request_id
-        try:
-            for attempt in range(RETRIES + 1):
-                started = False
+    async def _stream(self, req: EngineCoreRequest, record: InFlight) -> None:
+        """Send `req` (again, while it failed before its first output) and pass its outputs on."""
+        for attempt in range(RETRIES + 1):
+            stream = None
+            try:
                 stream = self.handle.generate.remote(req)
-                try:
-                    async for chunk in stream:
-                        started = True
-                        if self._deliver(rid, chunk):
-                            return
-                    raise EngineDeadError("the engine replica ended the stream before the request finished")
-                except asyncio.CancelledError:
-                    stream.cancel()
-                    raise
-                except Exception as e:  # the replica failed, or refused the request
-                    error = _typed(e)
-                    if started or attempt == RETRIES or isinstance(error, LLMServeError) and error.status_code < 500:
-                        self._fail(rid, error)
+                async for chunk in stream:
+                    if self._deliver(chunk.outputs, record):
                         return
-                    logger.warning("request %s: engine replica failed before its first output (%s); sending it again",
-                                   rid, error)
-        finally:
-            for d in (self._tasks, self._unstarted, self._num_output):
-                d.pop(rid, None)
+                raise EngineDeadError("the engine replica ended the stream before the request finished")
+            except asyncio.CancelledError:
+                if stream is not None:
+                    stream.cancel()
+                if asyncio.current_task().cancelling() == 0:  # Ray cancelled it, not abort_request
+                    self._fail(req.request_id, EngineDeadError("the request was cancelled", code="replica_failed"))
+                raise
+            except Exception as e:  # the replica failed, or refused the request
+                if stream is not None:
+                    stream.cancel()  # a replica that is only slow to answer must not run it twice
+                error = _typed(e)
+                if record.started or attempt == RETRIES or isinstance(error, LLMServeError) and error.status_code < 500:
+                    self._fail(req.request_id, error)
+                    return
+                logger.warning("request %s: engine replica failed before its first output (%s); sending it again",
+                               req.request_id, error)
 
-    def _deliver(self, rid: str, chunk: ReplicaChunk) -> bool:
-        """Hand a chunk's outputs to the request's sink; True once it finished."""
-        self._unstarted.pop(rid, None)
+    def _deliver(self, outputs: list[RequestOutput], record: InFlight | None = None) -> bool:
+        """Hand outputs of one request to its sink, then to the step listeners; True once it finished."""
         finished = False
-        for o in chunk.outputs:
-            self._num_output[rid] = o.num_output_tokens
-            finished = o.finished
-            sink = self.sinks.pop(rid, None) if finished else self.sinks.get(rid)
-            if sink is not None:
-                sink(o)
-        step = StepOutputs(chunk.outputs, self.stats, [], 0, 0, [], [0.0] * len(STAGES))
+        for o in outputs:
+            if record is not None:
+                record.started = True
+                record.num_output_tokens, record.num_cached_tokens = o.num_output_tokens, o.num_cached_tokens
+            finished = finished or o.finished
+            deliver(self.sinks, o)
+        step = StepOutputs(outputs, self.stats, [], 0, 0, [], [0.0] * len(STAGES))
         for listener in self.step_listeners:
             listener(step)
         return finished
@@ -177,9 +185,19 @@ class RayEngineClient:
     # ---- stats ------------------------------------------------------------------------------
 
     async def _read_board(self) -> None:
-        with contextlib.suppress(Exception):  # the board restarting: keep the last figures
-            self._replicas = await self._board.read.remote()
-            self.stats = sum_stats(list(self._replicas.values()), self._empty)
+        try:
+            self._board = self._board or get_board(self.app_name)
+            posted = await self._board.read.remote()
+        except Exception as e:  # the board restarting: keep the last figures, look it up again next time
+            logger.debug("stats board: %s", e)
+            self._board = None
+            return
+        for gone in set(self._replicas) - set(posted):
+            self._retired[gone] = self._replicas[gone]
+        for back in set(posted) & set(self._retired):
+            del self._retired[back]
+        self._replicas = posted
+        self.stats = sum_stats(list(posted.values()), list(self._retired.values()), self._empty)
 
     async def _follow_board(self) -> None:
         while True:

@@ -4,14 +4,14 @@ The replica runs the engine exactly as `llmserve serve` does: an engine-core pro
 local EngineClient (engine/client.py). `generate` streams one request's outputs to the ingress as
 ReplicaChunks; the ingress cancelling the stream (its client went away) aborts the request here,
 which frees its KV blocks. Ray restarts a replica whose actor dies, or whose core process died
-(check_health fails).
+(the replica exits).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -42,6 +42,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.client = await asyncio.to_thread(EngineClient.launch, config, log_level, UNBOUNDED)
         await self.client.start()
+        self.app_name = app_name
         self.board = get_board(app_name)
         self._poster = asyncio.get_running_loop().create_task(self._post_stats())
         logger.info("engine replica %s ready (core process %d)", self.replica_id, self.client.proc.pid)
@@ -77,10 +78,20 @@ class EngineReplica:
             raise RuntimeError(self.client.error.message if self.client.error else "the engine core has stopped")
 
     async def _post_stats(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):  # a board restarting, or an engine just died: next time
+        """Post the engine's stats every POST_INTERVAL_S; end the replica once its engine core has
+        died (its requests have had their error), so that routers drop it at once instead of at
+        the next failed health check."""
+        while self.client.alive:
+            try:
                 self.board.post.remote(self.replica_id, await self.client.get_stats())
+            except Exception as e:  # the board restarting: look it up again
+                logger.debug("stats board: %s", e)
+                self.board = get_board(self.app_name)
             await asyncio.sleep(POST_INTERVAL_S)
+        logger.error("engine replica %s: %s; the replica exits", self.replica_id,
+                     self.client.error.message if self.client.error else "the engine core stopped")
+        await asyncio.sleep(1.0)  # the failed streams' errors reach the ingress first
+        os._exit(1)
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)

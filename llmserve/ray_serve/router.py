@@ -29,7 +29,7 @@ from ray.serve.request_router import (
 from llmserve.engine.block_manager import chain_block_hashes, namespace_hash
 
 ROOT = namespace_hash("llmserve-router")
-MAX_CHOICES = 10_000
+PRUNE_CHOICES_AT = 256
 
 
 class PrefixAwareRouter(RequestRouter):  # no FIFOMixin: it would hand a replica chosen for one prompt to another
@@ -41,7 +41,7 @@ class PrefixAwareRouter(RequestRouter):  # no FIFOMixin: it would hand a replica
         self.holders: OrderedDict[bytes, dict[ReplicaID, None]] = OrderedDict()
         # requests chosen for a replica and not yet sent: Ray's queue lengths do not count them yet,
         # and a burst is chosen all at once
-        self.choices: dict[str, ReplicaID] = {}  # internal request id -> replica
+        self.choices: dict[str, tuple[ReplicaID, PendingRequest]] = {}  # internal request id -> (replica, request)
         self.chosen: Counter[ReplicaID] = Counter()
 
     def prefix_hashes(self, pending: PendingRequest | None) -> list[bytes]:
@@ -58,6 +58,8 @@ class PrefixAwareRouter(RequestRouter):  # no FIFOMixin: it would hand a replica
         lengths and takes the least loaded replica that accepts). A prefix seen for the first
         time is given to the least loaded replica at once, so that its next requests, routed
         while this one is still on its way, follow it."""
+        if pending_request is not None:  # every replica full: Ray sleeps between tries, not spin
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         fallback = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
@@ -88,16 +90,16 @@ class PrefixAwareRouter(RequestRouter):  # no FIFOMixin: it would hand a replica
 
     def _choose(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
         self._unchoose(pending)
-        if len(self.choices) >= MAX_CHOICES:  # requests cancelled before they were sent: forget them
-            self.choices.clear()
-            self.chosen.clear()
-        self.choices[pending.metadata.internal_request_id] = replica_id
+        if len(self.choices) >= PRUNE_CHOICES_AT:  # forget requests cancelled before they were sent
+            for p in [p for _, p in self.choices.values() if p.future.done()]:
+                self._unchoose(p)
+        self.choices[pending.metadata.internal_request_id] = (replica_id, pending)
         self.chosen[replica_id] += 1
 
     def _unchoose(self, pending: PendingRequest) -> None:
-        replica_id = self.choices.pop(pending.metadata.internal_request_id, None)
-        if replica_id is not None:
-            self.chosen[replica_id] -= 1
+        choice = self.choices.pop(pending.metadata.internal_request_id, None)
+        if choice is not None:
+            self.chosen[choice[0]] -= 1
 
     def _remember(self, hashes: list[bytes], replica_id: ReplicaID) -> None:
         for h in hashes:

@@ -14,7 +14,7 @@ need only /health and the generation routes; these let them label and weigh work
 from __future__ import annotations
 
 import dataclasses
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -77,14 +77,17 @@ def _load(rank: int, s: EngineStats, block_size: int) -> dict:
 
 
 def _without_password(url: str | None) -> str | None:
+    """`url` with its password masked: in the user info, or as a `password=` query parameter."""
     if not url:
         return url
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" if parts.username else f":***@{host}"
-    return urlunsplit(parts._replace(netloc=netloc + (f":{parts.port}" if parts.port else "")))
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)],
+                      safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 routes = [
