@@ -63,7 +63,8 @@ def ray_app(cluster: Cluster, model: str, log_dir, *args: str) -> Iterator[Serve
 
 @pytest.fixture(scope="module")
 def app(cluster, tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
-    with ray_app(cluster, tiny_model, tmp_path_factory.mktemp("ray-prefix"), "--request-router", "prefix") as a:
+    with ray_app(cluster, tiny_model, tmp_path_factory.mktemp("ray-prefix"), "--request-router", "prefix",
+                 "--shutdown-timeout", "0.5") as a:
         yield a
 
 
@@ -133,6 +134,9 @@ def test_openai_client_through_the_proxy_matches_offline(app, tiny_model):
                                                 extra_body={"cache": False}))
         assert "".join(c.choices[0].text for c in chunks) == ref.text
         assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    # n samples: n engine requests, each routed on its own
+    r = client.completions.create(model=model, prompt=prompts[0], max_tokens=12, temperature=0, n=3, extra_body={"cache": False})
+    assert [c.text for c in r.choices] == [refs[0].text] * 3
 
 
 def test_disconnect_frees_blocks_in_the_replica(app):
@@ -193,6 +197,25 @@ def test_a_dead_replica_fails_only_its_streams_and_comes_back(app):
         complete(app.url, f"after the failure {i}", max_tokens=3)
     wait_for(lambda: len(stats(app)["replicas"]) == 2 and victim not in stats(app)["replicas"], 90,
              "Ray started a new replica", interval=0.5)
+
+
+def test_sigterm_drains_every_stream_then_exits(app):
+    """The last test of the application: SIGTERM lets streams run --shutdown-timeout (0.5 s),
+    then each choice ends with finish_reason "abort" and the stream with [DONE]."""
+    body = {"prompt": "to the end", "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 16, "temperature": 0}
+    finish: dict[int, str] = {}
+    with httpx.stream("POST", app.url + "/v1/completions", json=body, timeout=30) as r:
+        data = (line[5:].strip() for line in r.iter_lines() if line.startswith("data:"))
+        assert json.loads(next(data))["choices"]
+        app.proc.terminate()
+        events = list(data)
+    assert events[-1] == "[DONE]"
+    for event in map(json.loads, events[:-1]):
+        for choice in event["choices"]:
+            if choice["finish_reason"]:
+                finish[choice["index"]] = choice["finish_reason"]
+    assert finish == {i: "abort" for i in range(16)}
+    assert app.proc.wait(30) == 0
 
 
 def test_replica_stats_add_up():

@@ -6,16 +6,19 @@
                           by PrefixAwareRouter or by Ray's default router (--request-router)
   run_ray(...)            joins --ray-address / $RAY_ADDRESS, or starts a local Ray instance for
                           the life of the command; Serve's HTTP proxy listens on --host/--port;
-                          SIGTERM or Ctrl-C deletes the application (and stops a local instance)
+                          SIGTERM or Ctrl-C drains the ingress (as `llmserve serve` does), then
+                          deletes the application (and stops a local instance)
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import signal
 import threading
+import time
 
 import ray
 from ray import serve
@@ -31,6 +34,7 @@ from llmserve.server.app import create_app
 
 logger = logging.getLogger("llmserve.ray")
 APP_NAME = "llmserve"
+DRAIN_SLACK_S = 1.0
 PREFIX_ROUTER = "llmserve.ray_serve.router.PrefixAwareRouter"
 
 
@@ -46,7 +50,18 @@ class Ingress:
                                                     max_waiting_tokens=server_config.max_waiting_tokens)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.client, self.server_config)
+        app = create_app(self.client, self.server_config)
+        self.server_ctx = app.state.ctx  # (`app` is a name Ray's wrapper takes)
+        return app
+
+    async def drain(self) -> None:
+        """SIGTERM's drain, as `llmserve serve` does it: new requests get 503, in-flight ones have
+        --shutdown-timeout to finish, then each ends with a final "abort" output."""
+        self.server_ctx.begin_shutdown()
+        deadline = time.monotonic() + max(0.0, self.server_config.shutdown_timeout) + DRAIN_SLACK_S
+        while self.client.sinks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(DRAIN_SLACK_S)  # the final chunks reach the proxy and the clients
 
 
 def build_application(engine_config: EngineConfig, server_config: ServerConfig, ray_config: RayConfig,
@@ -116,13 +131,21 @@ def run_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config
         logger.info("serving on http://%s:%d (Ray Serve, %s)", server_config.host, server_config.port,
                     f"cluster {address}" if address else "a local Ray instance")
         stop.wait()
-        logger.info("stopping: deleting the application")
+        logger.info("stopping: in-flight requests have %.1fs to finish", max(0.0, server_config.shutdown_timeout))
+        _drain(server_config)
     except KeyboardInterrupt:
         logger.info("interrupted while deploying: deleting the application")
         return 130
     finally:
         _teardown(local=not address)
     return 0
+
+
+def _drain(server_config: ServerConfig) -> None:
+    try:
+        serve.get_app_handle(APP_NAME).drain.remote().result(timeout_s=max(0.0, server_config.shutdown_timeout) + 15)
+    except Exception as e:  # the ingress is gone already: nothing left to drain
+        logger.warning("drain: %s", e)
 
 
 def _interrupt(*_) -> None:

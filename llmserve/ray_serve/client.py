@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ray.exceptions import RayTaskError
+from ray.serve.context import _set_request_context
 
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
@@ -142,6 +143,10 @@ class RayEngineClient:
         for attempt in range(RETRIES + 1):
             stream = None
             try:
+                # a Serve request of its own: child calls otherwise share the HTTP request's internal
+                # id, and Ray's router (matching routed replicas to requests by that id) would serve
+                # one of the n samples of a request and leave the others waiting
+                _set_request_context(_internal_request_id=f"{req.request_id}:{attempt}")
                 stream = self.handle.generate.remote(req)
                 async for chunk in stream:
                     if self._deliver(chunk.outputs, record):

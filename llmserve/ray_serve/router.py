@@ -11,7 +11,8 @@ has `imbalance` more ongoing requests than the least loaded. The replica it then
 second holder: a popular prefix spreads over replicas, one miss each, and is balanced from then
 on. The default of 32 (sglang-router's too) is deliberately loose: a spread costs one full
 prefill, which stalls that replica's other requests, while a few more ongoing requests (mostly
-cheap decodes) barely slow it (scripts/bench_ray.py: TTFT p50 0.71 s at 32, against 2.3 s at 8). The router runs inside the ingress's DeploymentHandle, one instance per ingress replica.
+cheap decodes) barely slow it (scripts/bench_ray.py, README: at 8, TTFT p50 2.4-3.5 s; at 32,
+0.6-0.8 s). The router runs inside the ingress's DeploymentHandle, one instance per ingress replica.
 """
 
 from __future__ import annotations
