@@ -137,6 +137,13 @@ def test_openai_client_through_the_proxy_matches_offline(app, tiny_model):
     # n samples: n engine requests, each routed on its own
     r = client.completions.create(model=model, prompt=prompts[0], max_tokens=12, temperature=0, n=3, extra_body={"cache": False})
     assert [c.text for c in r.choices] == [refs[0].text] * 3
+    # the replicas' engine steps reach the ingress's metrics
+    wait_for(lambda: steps_observed(app) >= 12, 10, "the step-time histogram counts the replicas' steps", interval=0.2)
+
+
+def steps_observed(app: ServerProcess) -> float:
+    metrics = httpx.get(app.url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("llmserve:step_duration_seconds_count"))
 
 
 def test_disconnect_frees_blocks_in_the_replica(app):

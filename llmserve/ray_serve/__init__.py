@@ -6,8 +6,8 @@
                           DeploymentHandle, routed by PrefixAwareRouter (router.py)
                        -> Engine deployment, N replicas (replica.py): each one llmserve engine
                           core process behind a local EngineClient, streaming RequestOutputs
-  StatsBoard (board.py): a small actor where replicas post their EngineStats and the ingress
-                          reads them (/stats, /metrics)
+  StatsBoard (board.py): a small actor where replicas post their EngineStats and step times
+                          and the ingress reads them (/stats, /metrics, the dashboard)
 
 app.py builds the application and runs `llmserve serve --ray`.
 """

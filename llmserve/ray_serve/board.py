@@ -1,8 +1,9 @@
 """StatsBoard: where engine replicas post their EngineStats, for the ingress to read.
 
 A Ray Serve handle reaches *some* replica, never a chosen one, so per-replica stats cannot be
-asked for; each replica posts its own instead (every POST_INTERVAL_S), and the ingress reads the
-board (every READ_INTERVAL_S, and for GET /stats). One named actor per application; an entry
+asked for; each replica posts its own instead (every POST_INTERVAL_S), with its engine steps'
+durations since the last post, and the ingress reads the board (every READ_INTERVAL_S, and for
+GET /stats), taking the steps for its metrics (one ingress: one reader). One named actor per application; an entry
 older than STALE_S belongs to a replica that has gone and is dropped.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from dataclasses import dataclass, field
 
 import ray
 
 from llmserve.engine.outputs import EngineStats
+from llmserve.profiling import STAGES
 
 POST_INTERVAL_S = 0.5
 READ_INTERVAL_S = 0.5
@@ -22,18 +25,36 @@ STALE_S = 5.0
 NAMESPACE = "llmserve"
 
 
+@dataclass(slots=True)
+class StepFigures:
+    """Engine steps since a replica's last post: each one's duration, and their time per
+    profiling.STAGES stage, summed."""
+
+    durations: list[float] = field(default_factory=list)
+    stage_seconds: list[float] = field(default_factory=lambda: [0.0] * len(STAGES))
+
+    def add(self, durations: list[float], stage_seconds: list[float]) -> None:
+        self.durations += durations
+        for i, v in enumerate(stage_seconds[: len(STAGES)]):
+            self.stage_seconds[i] += v
+
+
 @ray.remote(num_cpus=0, max_restarts=-1)
 class StatsBoard:
     def __init__(self) -> None:
         self.entries: dict[str, tuple[float, EngineStats]] = {}  # replica id -> (posted at, stats)
+        self.steps = StepFigures()  # every replica's steps since the last read
 
-    def post(self, replica_id: str, stats: EngineStats) -> None:
+    def post(self, replica_id: str, stats: EngineStats, steps: StepFigures) -> None:
         self.entries[replica_id] = (time.monotonic(), stats)
+        self.steps.add(steps.durations, steps.stage_seconds)
 
-    def read(self) -> dict[str, EngineStats]:
+    def read(self) -> tuple[dict[str, EngineStats], StepFigures]:
+        """The fresh entries, and the steps posted since the last read (the ingress's metrics)."""
         now = time.monotonic()
         self.entries = {r: e for r, e in self.entries.items() if now - e[0] <= STALE_S}
-        return {r: s for r, (_, s) in self.entries.items()}
+        steps, self.steps = self.steps, StepFigures()
+        return {r: s for r, (_, s) in self.entries.items()}, steps
 
 
 def board_name(app_name: str) -> str:

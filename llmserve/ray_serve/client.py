@@ -192,7 +192,7 @@ class RayEngineClient:
     async def _read_board(self) -> None:
         try:
             self._board = self._board or get_board(self.app_name)
-            posted = await self._board.read.remote()
+            posted, steps = await self._board.read.remote()
         except Exception as e:  # the board restarting: keep the last figures, look it up again next time
             logger.debug("stats board: %s", e)
             self._board = None
@@ -203,6 +203,10 @@ class RayEngineClient:
             del self._retired[back]
         self._replicas = posted
         self.stats = sum_stats(list(posted.values()), list(self._retired.values()), self._empty)
+        if steps.durations:  # the engines' steps: the step-time histogram, the dashboard's stages
+            step = StepOutputs([], self.stats, steps.durations, 0, 0, [], steps.stage_seconds)
+            for listener in self.step_listeners:
+                listener(step)
 
     async def _follow_board(self) -> None:
         while True:

@@ -21,7 +21,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo
 from llmserve.engine.client import EngineClient
 from llmserve.engine.outputs import EngineStats, RequestOutput
-from llmserve.ray_serve.board import POST_INTERVAL_S, get_board
+from llmserve.ray_serve.board import POST_INTERVAL_S, StepFigures, get_board
 
 logger = logging.getLogger("llmserve.ray")
 UNBOUNDED = 1 << 30  # Ray's max_ongoing_requests bounds a replica's queue; the ingress answers 429
@@ -41,6 +41,8 @@ class EngineReplica:
         logging.getLogger("llmserve").setLevel(log_level.upper())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.client = await asyncio.to_thread(EngineClient.launch, config, log_level, UNBOUNDED)
+        self.steps = StepFigures()  # since the last post
+        self.client.step_listeners.append(lambda step: self.steps.add(step.step_durations, step.stage_seconds))
         await self.client.start()
         self.app_name = app_name
         self.board = get_board(app_name)
@@ -83,7 +85,9 @@ class EngineReplica:
         the next failed health check."""
         while self.client.alive:
             try:
-                self.board.post.remote(self.replica_id, await self.client.get_stats())
+                stats = await self.client.get_stats()
+                steps, self.steps = self.steps, StepFigures()
+                self.board.post.remote(self.replica_id, stats, steps)
             except Exception as e:  # the board restarting: look it up again
                 logger.debug("stats board: %s", e)
                 self.board = get_board(self.app_name)
