@@ -14,7 +14,6 @@ from llmserve.engine.admission import EngineInfo
 from llmserve.engine.outputs import RequestOutput
 from llmserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from llmserve.ray_serve.client import RayEngineClient
-from llmserve.ray_serve.replica import ReplicaChunk
 from llmserve.sampling import SamplingParams
 
 INFO = EngineInfo("m", "/m", "fp", 100, 64, 16, 8, (0,), 1)
@@ -59,7 +58,7 @@ def tokens(n: int, *, fail_after: int | None = None, wait: asyncio.Event | None 
                 await wait.wait()
             if fail_after is not None and i > fail_after:
                 raise RuntimeError("the replica's actor died")
-            yield ReplicaChunk("r1", [output(req.request_id, i, finished=i == n)])
+            yield [output(req.request_id, i, finished=i == n)]
     return script
 
 

@@ -1,7 +1,7 @@
 """RayEngineClient: the engine door (engine/client.EngineDoor) over Ray Serve engine replicas.
 
   add_request(req, sink) -> a task per request: handle.generate.remote(req) (streaming, routed by
-                            the deployment's request router) -> each ReplicaChunk's outputs to sink
+                            the deployment's request router) -> each list of outputs to sink
   abort_request(id)      -> cancels that stream; the replica aborts the request
   stats                  -> the replicas' EngineStats from the StatsBoard, summed
 
@@ -148,8 +148,8 @@ class RayEngineClient:
                 # one of the n samples of a request and leave the others waiting
                 _set_request_context(_internal_request_id=f"{req.request_id}:{attempt}")
                 stream = self.handle.generate.remote(req)
-                async for chunk in stream:
-                    if self._deliver(chunk.outputs, record):
+                async for outputs in stream:
+                    if self._deliver(outputs, record):
                         return
                 raise EngineDeadError("the engine replica ended the stream before the request finished")
             except asyncio.CancelledError:

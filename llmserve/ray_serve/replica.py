@@ -2,7 +2,7 @@
 
 The replica runs the engine exactly as `llmserve serve` does: an engine-core process behind a
 local EngineClient (engine/client.py). `generate` streams one request's outputs to the ingress as
-ReplicaChunks; the ingress cancelling the stream (its client went away) aborts the request here,
+lists of RequestOutputs (all that piled up since the last one); the ingress cancelling the stream (its client went away) aborts the request here,
 which frees its KV blocks. Ray restarts a replica whose actor dies, or whose core process died
 (the replica exits).
 """
@@ -13,27 +13,17 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from ray import serve
 
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo
 from llmserve.engine.client import EngineClient
-from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.engine.outputs import RequestOutput
 from llmserve.ray_serve.board import POST_INTERVAL_S, StepFigures, get_board
 
 logger = logging.getLogger("llmserve.ray")
 UNBOUNDED = 1 << 30  # Ray's max_ongoing_requests bounds a replica's queue; the ingress answers 429
-
-
-@dataclass(slots=True)
-class ReplicaChunk:
-    """What one replica sends the ingress for one request: the outputs since the last chunk
-    (several when the ingress reads slower than the engine steps)."""
-
-    replica_id: str
-    outputs: list[RequestOutput]
 
 
 class EngineReplica:
@@ -52,10 +42,7 @@ class EngineReplica:
     async def info(self) -> EngineInfo:
         return self.client.info
 
-    async def stats(self) -> EngineStats:
-        return await self.client.get_stats()
-
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[ReplicaChunk]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[RequestOutput]]:
         """Stream `request`'s outputs until it finishes. Raises the engine's typed error (e.g.
         EngineDeadError) when it cannot finish; a cancelled stream aborts it."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -69,7 +56,7 @@ class EngineReplica:
                         raise item
                     outputs.append(item)
                     finished = finished or item.finished
-                yield ReplicaChunk(self.replica_id, outputs)
+                yield outputs
         finally:
             if not finished:  # cancelled (the ingress's client left) or failed
                 self.client.abort_request(request.request_id)

@@ -4,6 +4,7 @@ cache), and the drain state."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -15,7 +16,7 @@ from starlette.requests import Request
 from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
 from llmserve.cache.semantic_cache import SemanticCache
 from llmserve.config import ServerConfig
-from llmserve.engine.client import EngineDoor
+from llmserve.engine.client import EngineDoor, EngineStats
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling import SamplingParams
 from llmserve.server.errors import NotFoundError
@@ -50,6 +51,11 @@ class ServerContext:
     @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's stats as of its last news, with the requests still on their way to it
+        counted as waiting."""
+        return dataclasses.replace(self.client.stats, num_waiting=self.client.num_waiting())
 
     @property
     def response_cache_stats(self) -> ResponseCacheStats:

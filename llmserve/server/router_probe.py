@@ -68,7 +68,7 @@ def _engines(ctx: ServerContext) -> list[EngineStats]:
     replicas = ctx.client.replica_stats()
     if replicas:
         return [replicas[r] for r in sorted(replicas)]
-    return [dataclasses.replace(ctx.client.stats, num_waiting=ctx.client.num_waiting())]
+    return [ctx.engine_stats()]
 
 
 def _load(rank: int, s: EngineStats, block_size: int) -> dict:
