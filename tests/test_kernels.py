@@ -51,8 +51,11 @@ def case(heads: int, kv_heads: int, head_dim: int, lens: list[int], dtype, block
 
 SHAPES = [
     (9, 3, 64),  # SmolLM2: GQA, 3 query heads per KV head (vectorised path)
+    (32, 8, 128),  # Llama-style: 4 per KV head, head_dim 128
+    (6, 2, 32),  # head_dim 32: the smallest the bf16 dot-product path takes
     (4, 4, 16),  # multi-head attention
     (8, 2, 24),  # head_dim not a multiple of 16 (portable path)
+    (18, 2, 64),  # 9 per KV head: more than the vectorised variants (portable path)
 ]
 
 
@@ -67,6 +70,17 @@ def test_matches_reference(op, shape, dtype, tol):
     want = reference(q, k, v, tables, seq_lens, scale)
     err = (got.double() - want).abs().max().item()
     assert err <= tol * max(1.0, want.abs().max().item()), err
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_block_sizes_other_than_16(op, block_size):
+    """Blocks smaller than the kernel's 16-token chunks, and blocks that end mid-chunk."""
+    lens = [1, 7, 8, 9, 24, 25, 100]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q, k, v, tables, seq_lens = case(9, 3, 64, lens, dtype, block_size=block_size, seed=1)
+        want = reference(q, k, v, tables, seq_lens, 0.125)
+        err = (op(q, k, v, tables, seq_lens, 0.125).double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), err
 
 
 def test_padding_blocks_are_never_read(op):

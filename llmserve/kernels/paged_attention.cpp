@@ -7,7 +7,9 @@
 //   seq_lens     [D] int64              tokens to attend to, the new one included
 //   out          [D, H, hd]
 // Query heads h*g .. h*g+g-1 share KV head h (g = H / kvh). Scores, softmax and the weighted sum
-// of V are computed in fp32. Work items are (sequence, KV head) pairs, split across threads.
+// of V are computed in fp32 (bf16 scores: exact bf16 products summed in fp32). Work items are
+// (sequence, KV head) pairs, split across threads. With AVX-512, g <= 8 and head_dim in
+// {16, 32, 64, 128} run a variant compiled for that shape; anything else the portable loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -113,11 +116,6 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* t
 }
 
 #if defined(__AVX512F__)
-// The same computation with AVX-512 registers: a head's query and running output stay in
-// registers, each K/V row is converted to fp32 once and shared by the g query heads.
-// Needs hd % 16 == 0 and hd <= kMaxHd, g <= kMaxGroup (checked by the caller).
-constexpr int64_t kMaxHd = 256, kMaxGroup = 8;
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -179,24 +177,69 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <typename T>
-void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                       int64_t g, int64_t hd, int64_t block_size, int64_t kv_stride, int64_t block_stride,
-                       float scale, T* out, std::vector<float>& scratch) {
-  const int64_t nv = hd / 16, nblocks = (len + block_size - 1) / block_size;
-  scratch.resize(g * len + g * hd + 16 * hd);
-  float* scores = scratch.data();  // [g, len]
-  float* acc_out = scores + g * len;  // [g, hd]
-  __m512 qv[kMaxGroup][kMaxHd / 16];
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t c = 0; c < nv; ++c) qv[j][c] = _mm512_mul_ps(load16(q + j * hd + c * 16), sc);
+// One (sequence, KV head) work item with the group size G and head_dim / 16 = NV known at compile
+// time, so a head's queries and running outputs stay in registers (with runtime bounds the
+// compiler kept them on the stack and the kernel was compute-bound at about a third of the
+// memory bandwidth). bf16 scores use the AVX512-BF16 dot product straight on the cached rows:
+// bf16 x bf16 products are exact in fp32, so only the summation order differs.
+template <typename T, int G, int NV>
+struct Queries {
+  static constexpr bool kDpbf16 =
+#if defined(__AVX512BF16__)
+      std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+#else
+      false;
+#endif
+  __m512 f[kDpbf16 ? 1 : G][kDpbf16 ? 1 : NV];  // fp32, pre-scaled
+#if defined(__AVX512BF16__)
+  __m512bh h[kDpbf16 ? G : 1][kDpbf16 ? NV / 2 : 1];  // raw bf16 pairs; scaled after the dot
+#endif
+  float post_scale;
+
+  Queries(const T* q, float scale) {
+    if constexpr (kDpbf16) {
+#if defined(__AVX512BF16__)
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < NV / 2; ++c) h[j][c] = (__m512bh)_mm512_loadu_si512(q + j * NV * 16 + c * 32);
+#endif
+      post_scale = scale;
+    } else {
+      const __m512 sc = _mm512_set1_ps(scale);
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < NV; ++c) f[j][c] = _mm512_mul_ps(load16(q + j * NV * 16 + c * 16), sc);
+      post_scale = 1.f;
+    }
+  }
+
+  // 16 partial sums of query head j against one K row; their total is the (scaled) score.
+  inline __m512 dot(int j, const T* row) const {
+    __m512 part = _mm512_setzero_ps();
+    if constexpr (kDpbf16) {
+#if defined(__AVX512BF16__)
+      for (int c = 0; c < NV / 2; ++c) part = _mm512_dpbf16_ps(part, h[j][c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+#endif
+    } else {
+      for (int c = 0; c < NV; ++c) part = _mm512_fmadd_ps(f[j][c], load16(row + c * 16), part);
+    }
+    return part;
+  }
+};
+
+template <typename T, int G, int NV>
+void attend_fixed(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+                  int64_t block_size, int64_t kv_stride, int64_t block_stride, float scale, T* out,
+                  std::vector<float>& scratch) {
+  constexpr int64_t hd = NV * 16;
+  const int64_t nblocks = (len + block_size - 1) / block_size;
+  scratch.resize(G * len);
+  float* scores = scratch.data();  // [G, len]
+  const Queries<T, G, NV> qs(q, scale);
+  const __m512 post = _mm512_set1_ps(qs.post_scale);
 
   // Scores, 16 tokens at a time: each token's products with a query head are summed into one
   // register of partial sums, and reduce16 turns the 16 registers into 16 scores at once.
-  float* kf = acc_out + g * hd;  // [16, hd]: up to 16 K rows of one block in fp32
-  __m512 mv[kMaxGroup];
-  for (int64_t j = 0; j < g; ++j) mv[j] = _mm512_set1_ps(-INFINITY);
+  __m512 mv[G];
+  for (int j = 0; j < G; ++j) mv[j] = _mm512_set1_ps(-INFINITY);
   for (int64_t b = 0; b < std::min(kAhead, nblocks); ++b)
     prefetch_block(k_cache + table[b] * block_stride, block_size, kv_stride, hd);
   for (int64_t b = 0; b < nblocks; ++b) {
@@ -205,47 +248,79 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     if (b + kAhead < nblocks) prefetch_block(k_cache + table[b + kAhead] * block_stride, block_size, kv_stride, hd);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
       const int64_t cnt = std::min<int64_t>(16, n - t0);
-      for (int64_t t = 0; t < cnt; ++t)
-        for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(kf + t * hd + c * 16, load16(k + (t0 + t) * kv_stride + c * 16));
       const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
-      for (int64_t j = 0; j < g; ++j) {
+      for (int j = 0; j < G; ++j) {
         __m512 part[16];
-        for (int64_t t = 0; t < 16; ++t) {
-          part[t] = _mm512_setzero_ps();
-          if (t < cnt)
-            for (int64_t c = 0; c < nv; ++c) part[t] = _mm512_fmadd_ps(qv[j][c], _mm512_loadu_ps(kf + t * hd + c * 16), part[t]);
-        }
-        const __m512 sv = reduce16(part);
+        for (int t = 0; t < 16; ++t) part[t] = t < cnt ? qs.dot(j, k + (t0 + t) * kv_stride) : _mm512_setzero_ps();
+        const __m512 sv = _mm512_mul_ps(reduce16(part), post);
         _mm512_mask_storeu_ps(scores + j * len + b * block_size + t0, live, sv);
         mv[j] = _mm512_mask_max_ps(mv[j], live, mv[j], sv);
       }
     }
   }
-  float m[kMaxGroup];
-  for (int64_t j = 0; j < g; ++j) m[j] = _mm512_reduce_max_ps(mv[j]);
   for (int64_t b = 0; b < std::min(kAhead, nblocks); ++b)  // V's first blocks arrive during the softmax
     prefetch_block(v_cache + table[b] * block_stride, block_size, kv_stride, hd);
-  for (int64_t j = 0; j < g; ++j) softmax_avx512(scores + j * len, len, m[j]);
+  for (int j = 0; j < G; ++j) softmax_avx512(scores + j * len, len, _mm512_reduce_max_ps(mv[j]));
 
-  __m512 acc[kMaxGroup][kMaxHd / 16];
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t c = 0; c < nv; ++c) acc[j][c] = _mm512_setzero_ps();
+  __m512 acc[G][NV];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n = std::min(block_size, len - b * block_size);
     const T* v = v_cache + table[b] * block_stride;
+    const float* p = scores + b * block_size;
     if (b + kAhead < nblocks) prefetch_block(v_cache + table[b + kAhead] * block_stride, block_size, kv_stride, hd);
     for (int64_t t = 0; t < n; ++t, v += kv_stride) {
-      __m512 vr[kMaxHd / 16];
-      for (int64_t c = 0; c < nv; ++c) vr[c] = load16(v + c * 16);
-      for (int64_t j = 0; j < g; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * len + b * block_size + t]);
-        for (int64_t c = 0; c < nv; ++c) acc[j][c] = _mm512_fmadd_ps(p, vr[c], acc[j][c]);
+      __m512 vr[NV];
+      for (int c = 0; c < NV; ++c) vr[c] = load16(v + c * 16);
+      for (int j = 0; j < G; ++j) {
+        const __m512 pj = _mm512_set1_ps(p[j * len + t]);
+        for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_fmadd_ps(pj, vr[c], acc[j][c]);
       }
     }
   }
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(acc_out + j * hd + c * 16, acc[j][c]);
-  for (int64_t i = 0; i < g * hd; ++i) out[i] = static_cast<T>(acc_out[i]);
+  alignas(64) float res[G * hd];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < NV; ++c) _mm512_store_ps(res + j * hd + c * 16, acc[j][c]);
+  for (int64_t i = 0; i < G * hd; ++i) out[i] = static_cast<T>(res[i]);
+}
+
+using AttendFn = void (*)(const void*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          float, void*, std::vector<float>&);
+
+template <typename T, int G, int NV>
+void attend_erased(const void* q, const void* k, const void* v, const int64_t* table, int64_t len, int64_t block_size,
+                   int64_t kv_stride, int64_t block_stride, float scale, void* out, std::vector<float>& scratch) {
+  attend_fixed<T, G, NV>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), table, len,
+                         block_size, kv_stride, block_stride, scale, static_cast<T*>(out), scratch);
+}
+
+// The compiled variants: G = 1..8 query heads per KV head, head_dim 16, 32, 64 or 128.
+template <typename T, int G>
+AttendFn pick_nv(int64_t nv) {
+  switch (nv) {
+    case 1: return &attend_erased<T, G, 1>;
+    case 2: return &attend_erased<T, G, 2>;
+    case 4: return &attend_erased<T, G, 4>;
+    case 8: return &attend_erased<T, G, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+AttendFn pick_variant(int64_t g, int64_t hd) {
+  if (hd % 16) return nullptr;
+  switch (g) {
+    case 1: return pick_nv<T, 1>(hd / 16);
+    case 2: return pick_nv<T, 2>(hd / 16);
+    case 3: return pick_nv<T, 3>(hd / 16);
+    case 4: return pick_nv<T, 4>(hd / 16);
+    case 5: return pick_nv<T, 5>(hd / 16);
+    case 6: return pick_nv<T, 6>(hd / 16);
+    case 7: return pick_nv<T, 7>(hd / 16);
+    case 8: return pick_nv<T, 8>(hd / 16);
+    default: return nullptr;
+  }
 }
 #endif
 
@@ -261,15 +336,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
+#if defined(__AVX512F__)
+  const AttendFn fixed = pick_variant<T>(g, hd);
+#endif
   at::parallel_for(0, d * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / kvh, h = w % kvh;
       const int64_t off = (s * heads + h * g) * hd;
 #if defined(__AVX512F__)
-      if (hd % 16 == 0 && hd <= kMaxHd && g <= kMaxGroup) {
-        attend_one_avx512<T>(qp + off, kp + h * hd, vp + h * hd, tp + s * width, lp[s], g, hd, block_size,
-                             kv_stride, block_stride, static_cast<float>(scale), op + off, scratch);
+      if (fixed) {
+        fixed(qp + off, kp + h * hd, vp + h * hd, tp + s * width, lp[s], block_size, kv_stride, block_stride,
+              static_cast<float>(scale), op + off, scratch);
         continue;
       }
 #endif
