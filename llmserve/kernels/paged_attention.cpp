@@ -151,13 +151,13 @@ inline void softmax_avx512(float* s, int64_t len, float m) {
   }
 }
 
-constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one being computed
+constexpr int64_t kAhead = 6;  // blocks prefetched ahead of the one being computed (into L2: L1's miss buffers are few)
 
 template <typename T>
 inline void prefetch_block(const T* rows, int64_t block_size, int64_t kv_stride, int64_t hd) {
   for (int64_t t = 0; t < block_size; ++t)
     for (int64_t off = 0; off < hd * static_cast<int64_t>(sizeof(T)); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows + t * kv_stride) + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * kv_stride) + off, _MM_HINT_T1);
 }
 
 // out[t] = the sum of v[t]'s 16 lanes, t = 0..15, as one register: pairs of registers are
