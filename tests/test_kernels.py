@@ -131,3 +131,24 @@ def test_without_a_working_compiler_the_engine_falls_back_to_torch(tmp_path, tin
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-1] == "4"
     assert "native kernels unavailable" in proc.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_equals_index_copy(op, dtype):
+    """reshape_and_cache writes exactly what write_kv_cache (index_copy_) writes, from strided
+    views of a fused qkv row and from another dtype, and refuses slots outside the cache."""
+    from llmserve.model.attention import write_kv_cache
+
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, 9, 4, 3, 16, generator=g).to(dtype)
+    qkv = torch.randn(6, 9 * 16 + 2 * 3 * 16, generator=g)  # [N, q | k | v] as the model splits it
+    k = qkv[:, 144:192].view(6, 3, 16)
+    v = qkv[:, 192:].view(6, 3, 16)
+    slots = torch.tensor([4, 5, 35, 0, 17, 6])
+    want = kv.clone()
+    write_kv_cache(want, slots, k, v)
+    torch.ops.llmserve.reshape_and_cache(k, v, kv, slots)
+    assert torch.equal(kv, want)
+    for bad in (-1, 36):
+        with pytest.raises(RuntimeError, match="slot_mapping"):
+            torch.ops.llmserve.reshape_and_cache(k, v, kv, torch.tensor([4, 5, 35, 0, 17, bad]))

@@ -9,7 +9,8 @@ Block 0 is the null block: it is never handed to a sequence, so padded rows writ
 
 Decode attention has two backends with one contract: the native kernel
 (torch.ops.llmserve.paged_decode_attention, llmserve/kernels), which reads K/V straight from the
-blocks, and a pure-torch path that gathers each sequence's blocks first. The engine picks one at
+blocks, and a pure-torch path that gathers each sequence's blocks first. The cache write likewise:
+the native reshape_and_cache (one memcpy a row) or write_kv_cache (index_copy_). The engine picks one at
 start-up with LlamaForCausalLM.use_native_attention(); the choice belongs to that model.
 """
 
@@ -56,7 +57,7 @@ class KVCacheAttention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.native = False  # decode through torch.ops.llmserve.paged_decode_attention
+        self.native = False  # the native kernels: paged_decode_attention and reshape_and_cache
 
     def forward(
         self,
@@ -68,7 +69,10 @@ class KVCacheAttention(torch.nn.Module):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         # an opaque in-place op: a compiled graph writes the cache where it lies (traced as plain
         # index_copy_ on a view, inductor copied the whole cache every layer)
-        torch.ops.llmserve.write_kv_cache(kv_cache, meta.slot_mapping, k, v)
+        if self.native:
+            torch.ops.llmserve.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        else:
+            torch.ops.llmserve.write_kv_cache(kv_cache, meta.slot_mapping, k, v)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
 
         out = torch.empty_like(q)
