@@ -24,7 +24,7 @@ import torch
 from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "cache_write.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "cache_write.cpp", "packed_linear.cpp"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 BUILD_TIMEOUT_S = 600
 

@@ -32,6 +32,7 @@ import torch
 from llmserve.errors import LLMServeError
 from llmserve.kernels import cpu_flags
 from llmserve.model.attention import AttentionMetadata
+from llmserve.model.packed import use_native_linear
 from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.compile")
@@ -95,6 +96,7 @@ class DecodeGraph:
 
     def __init__(self, model: torch.nn.Module, max_batch: int):
         configure_inductor()
+        use_native_linear()
         self.model = model
         self.max_batch = max(max_batch, MIN_ROWS)
         self.fn = torch.compile(self._decode, fullgraph=True, dynamic=False)

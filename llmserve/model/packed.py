@@ -7,8 +7,11 @@ shapes, packed weights are 2-4x faster in float32 and 1.1-1.5x in bfloat16 (scri
 shows the end-to-end effect). Packing is checked against F.linear on a probe input at start-up
 and skipped, with a log line, where this torch build or CPU cannot do it.
 
-Compiled graphs call the same packed weights through llmserve::packed_linear(x, handle): the
-handle names an entry of a process-wide table, so the weight never enters the graph. (As a graph
+Compiled graphs call the same packed weights through llmserve::onednn_linear(x, handle), a native
+op (llmserve/kernels) that saves a Python call per layer, or llmserve::packed_linear where the
+native kernels are unavailable: the handle names an entry of a process-wide table (kept in
+Python, and mirrored in the native op's own table once it is in use), so the weight never enters
+the graph. (As a graph
 constant, an opaque oneDNN tensor needs inductor's freezing and cannot be pickled, which turns
 off inductor's on-disk cache; an int handle keeps the graph small and cacheable, and eager and
 compiled share one copy of the weights.)
@@ -24,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve import kernels
 from llmserve.model.quantize import linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
 _PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # handle -> (packed weight, bias)
 _HANDLES = itertools.count()
+_native = False  # the native table mirrors _PACKED (set before the first compiled trace)
 
 
 class PackedLinear(nn.Module):
@@ -40,12 +45,32 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = (packed, linear.bias)
-        weakref.finalize(self, _PACKED.pop, self.handle, None)
+        if _native:
+            torch.ops.llmserve.packed_register(self.handle, packed, linear.bias)
+        weakref.finalize(self, _release, self.handle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if torch.compiler.is_compiling():
-            return torch.ops.llmserve.packed_linear(x, self.handle)
+            op = torch.ops.llmserve.onednn_linear if _native else torch.ops.llmserve.packed_linear
+            return op(x, self.handle)
         return packed_linear(x, self.handle)
+
+
+def use_native_linear() -> bool:
+    """Before tracing: compiled graphs call the native op from now on, where the kernels load."""
+    global _native
+    if not _native and kernels.load():
+        torch.library.register_fake("llmserve::onednn_linear")(_packed_linear_shape)
+        for handle, (weight, bias) in list(_PACKED.items()):
+            torch.ops.llmserve.packed_register(handle, weight, bias)
+        _native = True
+    return _native
+
+
+def _release(handle: int) -> None:
+    _PACKED.pop(handle, None)
+    if _native:
+        torch.ops.llmserve.packed_release(handle)
 
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:

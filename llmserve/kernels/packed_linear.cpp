@@ -1,0 +1,70 @@
+// The op a compiled graph calls to run a linear layer on a oneDNN-packed weight, without a
+// Python call per layer.
+//
+// The packed weights live in a process-wide table keyed by an int handle (llmserve.model.packed
+// registers each one, and releases it when its module goes), so a graph holds a handle, never the
+// opaque weight itself. onednn_linear(x [T, in], handle) -> [T, out] runs
+// mkldnn::_linear_pointwise(x, weight, bias, "none", [], ""), as the eager path does.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+namespace {
+
+struct Packed {
+  at::Tensor weight;  // opaque oneDNN layout
+  std::optional<at::Tensor> bias;
+};
+
+std::mutex table_mutex;
+std::unordered_map<int64_t, Packed> table;
+
+void packed_register(int64_t handle, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  table[handle] = Packed{weight, bias};
+}
+
+void packed_release(int64_t handle) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  table.erase(handle);
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
+  Packed p;
+  {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    const auto it = table.find(handle);
+    TORCH_CHECK(it != table.end(), "onednn_linear: no packed weight has handle ", handle);
+    p = it->second;
+  }
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(p.weight);
+  stack.emplace_back(p.bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve, m) {
+  m.def("packed_register(int handle, Tensor weight, Tensor? bias) -> ()");
+  m.def("packed_release(int handle) -> ()");
+  m.def("onednn_linear(Tensor x, int handle) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("onednn_linear", &onednn_linear); }
+TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
+  m.impl("packed_register", &packed_register);
+  m.impl("packed_release", &packed_release);
+}
