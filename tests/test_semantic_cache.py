@@ -49,6 +49,23 @@ def same(a: str, b: str) -> bool:
     ("How do I make a git branch?", "What is a git branch?", False),
     ("How do I install numpy?", "How do I uninstall numpy?", False),
     ("What is it?", "What is it?", False),  # no key term: nothing to check, never a hit
+    # question idioms in one form
+    ("Why is the ocean salty?", "What makes the ocean salty?", True),
+    ("What causes rain?", "Why does it rain?", True),
+    ("When did World War II end?", "In what year did the Second World War end?", True),
+    ("Who painted the Mona Lisa?", "Which artist painted the Mona Lisa?", True),
+    ("What is the speed of sound?", "How fast does sound travel?", True),
+    ("What is the population of Japan?", "How many people live in Japan?", True),
+    ("When did the First World War start?", "When did the Second World War start?", False),
+    ("What is the speed of sound?", "How fast does light travel?", False),
+    # the kind of answer asked for
+    ("Who invented the telephone?", "When was the telephone invented?", False),
+    ("When did the Titanic sink?", "Where did the Titanic sink?", False),
+    ("Why did Rome fall?", "When did Rome fall?", False),
+    # a number's unit, and acronyms
+    ("How many miles is 10 km?", "How many km is 10 miles?", False),
+    ("What port does HTTP use?", "What port does HTTPS use?", False),
+    ("How many ounces are in 2 cups?", "2 cups is how many ounces?", True),
 ])
 def test_key_terms_tell_same_question_from_another(a, b, expected):
     assert same(a, b) is expected and same(b, a) is expected
@@ -99,7 +116,9 @@ def embedder():
     return EmbeddingModel("onnxruntime", num_threads=1)
 
 
-@pytest.mark.parametrize(("name", "least_hits"), [("semantic_pairs.jsonl", 0.5), ("semantic_pairs_holdout.jsonl", 0.7)])
+@pytest.mark.parametrize(("name", "least_hits"), [
+    ("semantic_pairs.jsonl", 0.6), ("semantic_pairs_holdout.jsonl", 0.85), ("semantic_pairs_holdout2.jsonl", 0.45),
+])
 def test_default_threshold_makes_no_false_hit(embedder, name, least_hits):
     """Both checks at the default threshold over the written pairs (bench_semantic.py prints the sweep)."""
     rows = [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]

@@ -7,11 +7,14 @@ both questions name the same things:
 
     key_terms(text): the content words of the text, lowercased, stemmed and mapped onto a small
     table of synonyms; words about the *form* of a question ("what", "how", "way", "command",
-    "explain", ...) and function words are dropped. Plus the `targets`: the key term after each
+    "explain", ...) and function words are dropped. Before that, a few question idioms are put in
+    one form: "what makes/causes X" is "why X", "what/which year" is "when", "which artist
+    painted" is "who painted", "how fast does X travel" is "the speed of X", "how many people live
+    in X" is "the population of X"; ordinals and Roman numerals are one token ("Second", "II"). Plus the `targets`: the key term after each
     directional word ("convert miles to km" -> to: km; "faster than Java" -> than: java), and the
     numbers in the order they come ("10 divided by 2" is not "2 divided by 10").
-    same_question(a, b): equal key-term sets, the same numbers in the same order, targets equal
-    where both have one, and at least one key term (a text with none, such as one in a script
+    same_question(a, b): equal key-term sets, the same numbers in the same order, the same answer
+    kinds (who / when / where / why), targets equal where both have one, and at least one key term (a text with none, such as one in a script
     this table does not read, never matches).
 
 English only; for other languages the check degrades to "the same words", which is stricter, not
@@ -33,6 +36,7 @@ will shall may might must i me my mine you your yours we our us they their them 
 its this that these those there here what which who whom whose when where why how whats hows
 way ways command commands steps step method syntax best simple explain define tell meaning mean
 means please some any one ones much many go most used people number known call called city
+happen happens happened look looks
 """.split())
 # Each line: a canonical word, then words that mean the same in a question.
 SYNONYMS = """
@@ -64,17 +68,38 @@ convert turn change
 autumn fall
 distance far
 stop halt
+standard normal regular typical
+substance material
 """
+# Question idioms put in one form before the words are read: (pattern, replacement), in order.
+IDIOMS = [(re.compile(p, re.IGNORECASE), r) for p, r in (
+    (r"\bwhat (?:makes|made|causes|caused)\b", "why"),
+    (r"\b(?:in )?(?:what|which) year\b", "when"),
+    (r"\b(?:which|what) (?:artist|painter|person|scientist|author|writer|composer|inventor)\b", "who"),
+    (r"\bhow fast (?:does|do|did|is|are|can) ((?:\w+ ){1,4}?)(?:travel|travels|go|move|run)\b", r"speed of \1"),
+    (r"\bhow many people (?:live|lived|are living) (?:in|on)\b", "population of"),
+)]
+# Question words that name the kind of answer: "Who invented the telephone?" is not "When was the
+# telephone invented?", though both have the key terms {invent, telephone}. (what, which and how
+# ask for anything, and paraphrases trade them freely.)
+ANSWER_KINDS = {"who": "who", "whom": "who", "whose": "who", "when": "when", "where": "where", "why": "why"}
+# Ordinals and Roman numerals (II and up: "I" is told apart in _words) -> "#n".
+ORDINALS = {w: f"#{n}" for n, words in enumerate((
+    "first 1st", "second 2nd ii", "third 3rd iii", "fourth 4th iv", "fifth 5th", "sixth 6th vi",
+    "seventh 7th vii", "eighth 8th viii", "ninth 9th ix", "tenth 10th"), start=1) for w in words.split()}
+ORDINALS["i#"] = "#1"
 SUFFIXES = ("ing", "ers", "er", "ors", "or", "ed", "es", "s", "e")
+VOWELS = re.compile("[aeiouy]")
 DIRECTIONAL = ("to", "into", "than", "by", "from", "per", "versus", "vs")
 
 
 def stem(word: str) -> str:
-    """A light suffix stripper: "boiling"/"boil", "inventor"/"invented", "dictionaries"/"dictionary"."""
+    """A light suffix stripper: "boiling"/"boil", "inventor"/"invented", "dictionaries"/"dictionary".
+    What is left must have a vowel, so an acronym keeps its last letter ("https" is not "http")."""
     if word.endswith("ies") and len(word) > 4:
         return word[:-3] + "y"
     for suffix in SUFFIXES:
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and VOWELS.search(word[: -len(suffix)]):
             return word[: -len(suffix)]
     return word
 
@@ -86,14 +111,20 @@ _CANONICAL = {stem(w): stem(line.split()[0]) for line in SYNONYMS.split("\n") if
 class KeyTerms:
     terms: frozenset[str]
     targets: dict[str, str]  # directional word -> the key term after its last occurrence
-    numbers: tuple[str, ...]  # in order
+    numbers: tuple[str, ...]  # in order, each with the key term after it: "10 km" -> "10 km"
+    asks: frozenset[str] = frozenset()  # what kind of answer: who, when, where, why
 
 
 def _words(text: str) -> list[str]:
-    """Lowercased words; a capital "I" after a capitalised word is a numeral ("World War I")."""
+    """Lowercased words, idioms rewritten; a capital "I" after a capitalised word is a numeral
+    ("World War I"), and ordinals are "#n"."""
+    text = text.replace("'s", "").replace("\u2019s", "")
+    for pattern, replacement in IDIOMS:
+        text = pattern.sub(replacement, text)
     out, prev = [], ""
-    for w in re.findall(r"[A-Za-z0-9]+", text.replace("'s", "").replace("\u2019s", "")):
-        out.append("i#" if w == "I" and prev[:1].isupper() else w.lower())
+    for w in re.findall(r"[A-Za-z0-9]+", text):
+        word = "i#" if w == "I" and prev[:1].isupper() else w.lower()
+        out.append(ORDINALS.get(word, word))
         prev = w
     return out
 
@@ -107,6 +138,7 @@ def key_terms(text: str) -> KeyTerms:
     """One pass backwards (linear in the text), so the next key term after each word is known."""
     words = _words(text)
     targets: dict[str, str] = {}
+    numbers: list[str] = []  # last first
     following: str | None = None  # the next key term after position i
     for i in range(len(words) - 1, -1, -1):
         w = words[i]
@@ -114,13 +146,16 @@ def key_terms(text: str) -> KeyTerms:
         # is an infinitive ("the way to sort")
         if w in DIRECTIONAL and i and words[i - 1] not in STOP_WORDS and following is not None:
             targets.setdefault(w, following)
+        if w.isdigit():  # a number and the key term after it ("10 km")
+            numbers.append(f"{w} {following}")
         if w not in STOP_WORDS:
             following = _term(w)
     terms = frozenset(_term(w) for w in words if w not in STOP_WORDS)
-    return KeyTerms(terms, targets, tuple(w for w in words if w.isdigit()))
+    asks = frozenset(ANSWER_KINDS[w] for w in words if w in ANSWER_KINDS)
+    return KeyTerms(terms, targets, tuple(reversed(numbers)), asks)
 
 
 def same_question(a: KeyTerms, b: KeyTerms) -> bool:
-    if not a.terms or a.terms != b.terms or a.numbers != b.numbers:
+    if not a.terms or a.terms != b.terms or a.numbers != b.numbers or a.asks != b.asks:
         return False
     return all(b.targets.get(word, target) == target for word, target in a.targets.items())
