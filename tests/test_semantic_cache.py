@@ -66,6 +66,12 @@ def same(a: str, b: str) -> bool:
     ("How many miles is 10 km?", "How many km is 10 miles?", False),
     ("What port does HTTP use?", "What port does HTTPS use?", False),
     ("How many ounces are in 2 cups?", "2 cups is how many ounces?", True),
+    # idioms that must not swallow a difference
+    ("Which painter is the most famous?", "Which composer is the most famous?", False),
+    ("Should I stretch first?", "Should I stretch?", False),  # "Should I" is no Roman numeral
+    ("What does a cat look like?", "What does a cat like?", False),
+    ("What is the standard normal distribution?", "What is the normal distribution?", False),
+    ("Which animal is Scotland's national animal?", "What is the national animal of Scotland?", True),
 ])
 def test_key_terms_tell_same_question_from_another(a, b, expected):
     assert same(a, b) is expected and same(b, a) is expected
@@ -117,7 +123,7 @@ def embedder():
 
 
 @pytest.mark.parametrize(("name", "least_hits"), [
-    ("semantic_pairs.jsonl", 0.6), ("semantic_pairs_holdout.jsonl", 0.85), ("semantic_pairs_holdout2.jsonl", 0.45),
+    ("semantic_pairs.jsonl", 0.6), ("semantic_pairs_holdout.jsonl", 0.85), ("semantic_pairs_holdout2.jsonl", 0.4),
 ])
 def test_default_threshold_makes_no_false_hit(embedder, name, least_hits):
     """Both checks at the default threshold over the written pairs (bench_semantic.py prints the sweep)."""

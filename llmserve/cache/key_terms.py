@@ -13,7 +13,7 @@ both questions name the same things:
     in X" is "the population of X"; ordinals and Roman numerals are one token ("Second", "II"). Plus the `targets`: the key term after each
     directional word ("convert miles to km" -> to: km; "faster than Java" -> than: java), and the
     numbers in the order they come ("10 divided by 2" is not "2 divided by 10").
-    same_question(a, b): equal key-term sets, the same numbers in the same order, the same answer
+    same_question(a, b): equal key terms (two synonyms in one text count twice), the same numbers in the same order, the same answer
     kinds (who / when / where / why), targets equal where both have one, and at least one key term (a text with none, such as one in a script
     this table does not read, never matches).
 
@@ -36,7 +36,7 @@ will shall may might must i me my mine you your yours we our us they their them 
 its this that these those there here what which who whom whose when where why how whats hows
 way ways command commands steps step method syntax best simple explain define tell meaning mean
 means please some any one ones much many go most used people number known call called city
-happen happens happened look looks
+happen happens happened
 """.split())
 # Each line: a canonical word, then words that mean the same in a question.
 SYNONYMS = """
@@ -75,7 +75,13 @@ substance material
 IDIOMS = [(re.compile(p, re.IGNORECASE), r) for p, r in (
     (r"\bwhat (?:makes|made|causes|caused)\b", "why"),
     (r"\b(?:in )?(?:what|which) year\b", "when"),
-    (r"\b(?:which|what) (?:artist|painter|person|scientist|author|writer|composer|inventor)\b", "who"),
+    # only before a past-tense verb: "which artist painted X" asks who; "which painter is most
+    # famous" is not "which composer is most famous"
+    (r"\b(?:which|what) (?:artist|painter|person|scientist|author|writer|composer|inventor) "
+     r"(?=(?:\w+ed|wrote|drew|built|made|found|sang|won|led|gave|took|became)\b)", "who "),
+    # "why does the sky look blue" asks "why is the sky blue" (only after why: "what does a cat
+    # look like" keeps its verb)
+    (r"(\bwhy\b(?:\W+\w+){0,6}?\W+)(?:look|looks|appear|appears|seem|seems)\b", r"\1"),
     (r"\bhow fast (?:does|do|did|is|are|can) ((?:\w+ ){1,4}?)(?:travel|travels|go|move|run)\b", r"speed of \1"),
     (r"\bhow many people (?:live|lived|are living) (?:in|on)\b", "population of"),
 )]
@@ -83,9 +89,9 @@ IDIOMS = [(re.compile(p, re.IGNORECASE), r) for p, r in (
 # telephone invented?", though both have the key terms {invent, telephone}. (what, which and how
 # ask for anything, and paraphrases trade them freely.)
 ANSWER_KINDS = {"who": "who", "whom": "who", "whose": "who", "when": "when", "where": "where", "why": "why"}
-# Ordinals and Roman numerals (II and up: "I" is told apart in _words) -> "#n".
+# Ordinals and Roman numerals (II and up, not VI, the editor; "I" is told apart in _words) -> "#n".
 ORDINALS = {w: f"#{n}" for n, words in enumerate((
-    "first 1st", "second 2nd ii", "third 3rd iii", "fourth 4th iv", "fifth 5th", "sixth 6th vi",
+    "first 1st", "second 2nd ii", "third 3rd iii", "fourth 4th iv", "fifth 5th", "sixth 6th",
     "seventh 7th vii", "eighth 8th viii", "ninth 9th ix", "tenth 10th"), start=1) for w in words.split()}
 ORDINALS["i#"] = "#1"
 SUFFIXES = ("ing", "ers", "er", "ors", "or", "ed", "es", "s", "e")
@@ -109,23 +115,27 @@ _CANONICAL = {stem(w): stem(line.split()[0]) for line in SYNONYMS.split("\n") if
 
 @dataclass(frozen=True, slots=True)
 class KeyTerms:
-    terms: frozenset[str]
+    terms: tuple[str, ...]  # sorted; synonyms both count: "standard normal" is not "normal"
     targets: dict[str, str]  # directional word -> the key term after its last occurrence
     numbers: tuple[str, ...]  # in order, each with the key term after it: "10 km" -> "10 km"
     asks: frozenset[str] = frozenset()  # what kind of answer: who, when, where, why
 
 
 def _words(text: str) -> list[str]:
-    """Lowercased words, idioms rewritten; a capital "I" after a capitalised word is a numeral
-    ("World War I"), and ordinals are "#n"."""
+    """Lowercased words, idioms rewritten; a capital "I" after a capitalised word inside a sentence
+    is a numeral ("World War I"), and ordinals are "#n"."""
     text = text.replace("'s", "").replace("\u2019s", "")
     for pattern, replacement in IDIOMS:
         text = pattern.sub(replacement, text)
-    out, prev = [], ""
-    for w in re.findall(r"[A-Za-z0-9]+", text):
-        word = "i#" if w == "I" and prev[:1].isupper() else w.lower()
+    out, numeral_may_follow, end = [], False, -1
+    for m in re.finditer(r"[A-Za-z0-9]+", text):
+        w = m.group()
+        word = "i#" if w == "I" and numeral_may_follow else w.lower()
         out.append(ORDINALS.get(word, word))
-        prev = w
+        # "World War I", but not "Should I" or "Thanks. Can I": the word before the numeral is
+        # capitalised and does not start a sentence
+        starts_sentence = end < 0 or any(c in ".!?:;" for c in text[end : m.start()])
+        numeral_may_follow, end = w[:1].isupper() and not starts_sentence, m.end()
     return out
 
 
@@ -150,7 +160,8 @@ def key_terms(text: str) -> KeyTerms:
             numbers.append(f"{w} {following}")
         if w not in STOP_WORDS:
             following = _term(w)
-    terms = frozenset(_term(w) for w in words if w not in STOP_WORDS)
+    # one term per distinct stem: a repeated word counts once, two synonyms count twice
+    terms = tuple(sorted(_CANONICAL.get(s, s) for s in {stem(w) for w in words if w not in STOP_WORDS}))
     asks = frozenset(ANSWER_KINDS[w] for w in words if w in ANSWER_KINDS)
     return KeyTerms(terms, targets, tuple(reversed(numbers)), asks)
 
