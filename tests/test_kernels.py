@@ -83,11 +83,15 @@ def test_block_sizes_other_than_16(op, block_size):
         assert err <= tol * max(1.0, want.abs().max().item()), err
 
 
-def test_padding_blocks_are_never_read(op):
-    q, k, v, tables, lens = case(9, 3, 64, [20, 5], torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_blocks_are_never_read(op, dtype):
+    q, k, v, tables, lens = case(9, 3, 64, [20, 5], dtype)
     before = op(q, k, v, tables, lens, 0.125)
     k[0].fill_(float("nan"))  # the null block, used as padding
     v[0].fill_(float("nan"))
+    for s, n in enumerate(lens.tolist()):  # the unused rows of each sequence's last block
+        k[tables[s, (n - 1) // 16], n % 16 or 16 :].fill_(float("nan"))
+        v[tables[s, (n - 1) // 16], n % 16 or 16 :].fill_(float("nan"))
     assert torch.equal(op(q, k, v, tables, lens, 0.125), before)
 
 

@@ -82,30 +82,29 @@ def choose_mode(requested: str, dtype: torch.dtype, quantize: str | None) -> str
 
 
 def configure_inductor() -> None:
-    """Process-wide inductor settings: the on-disk cache, and a C++ wrapper.
-
-    The wrapper is the code that calls a graph's kernels and extern ops in order. In Python it
-    costs about 80 us a layer (tensor views, size asserts, ~10 calls); in C++ (cpp_wrapper) that
-    shrinks to a few, which measured 1.41x -> 1.52x eager at batch 1 and 1.38x -> 1.57x at batch 8
-    (scripts/bench_compile.py), for a cold compile of 70 s instead of 55."""
+    """Process-wide inductor settings: the on-disk cache."""
     import torch._inductor.config as inductor_config
 
     inductor_cache = cache_dir("inductor")
     inductor_cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
     inductor_config.fx_graph_cache = True  # a second start loads compiled graphs from disk
-    inductor_config.cpp_wrapper = True
 
 
 class DecodeGraph:
-    """The compiled decode step: [B] token ids -> [B, vocab] fp32 logits, B <= max_batch."""
+    """The compiled decode step: [B] token ids -> [B, vocab] fp32 logits, B <= max_batch.
+
+    It runs with inductor's C++ wrapper (the code that calls the graph's kernels and ops in
+    order). In Python that code costs about 80 us a layer (tensor views, size asserts, ~10 calls);
+    in C++ it measured 1.41x -> 1.52x eager at batch 1 and 1.38x -> 1.57x at batch 8
+    (scripts/bench_compile.py), for a cold compile of 70-84 s instead of 55."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int):
         configure_inductor()
         use_native_linear()
         self.model = model
         self.max_batch = max(max_batch, MIN_ROWS)
-        self.fn = torch.compile(self._decode, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(self._decode, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
 
     def _decode(self, ids, positions, slots, tables, seq_lens, kv_caches):
         meta = AttentionMetadata(slots, ids.shape[0], tables, seq_lens, [])
