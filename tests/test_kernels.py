@@ -156,3 +156,28 @@ def test_cache_write_equals_index_copy(op, dtype):
     for bad in (-1, 36):
         with pytest.raises(RuntimeError, match="slot_mapping"):
             torch.ops.llmserve.reshape_and_cache(k, v, kv, torch.tensor([4, 5, 35, 0, 17, bad]))
+
+
+def test_native_linear_op_runs_and_forgets_packed_weights(op):
+    """onednn_linear(x, handle) equals F.linear on the packed layer's weights, and a handle whose
+    layer is gone is refused instead of reading a freed weight."""
+    import gc
+
+    from llmserve.model.packed import PackedLinear, use_native_linear
+
+    assert use_native_linear()
+    g = torch.Generator().manual_seed(3)
+    dense = torch.nn.Linear(64, 40, bias=True)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(40, 64, generator=g))
+        dense.bias.copy_(torch.randn(40, generator=g))
+    layer = PackedLinear(dense)  # made after use_native_linear: registered at once
+    x = torch.randn(5, 64, generator=g)
+    with torch.inference_mode():
+        got = torch.ops.llmserve.onednn_linear(x, layer.handle)
+    assert torch.allclose(got, torch.nn.functional.linear(x, dense.weight, dense.bias), atol=1e-4, rtol=1e-4)
+    handle = layer.handle
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no packed weight has handle"):
+        torch.ops.llmserve.onednn_linear(x, handle)

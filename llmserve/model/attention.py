@@ -10,8 +10,8 @@ Block 0 is the null block: it is never handed to a sequence, so padded rows writ
 Decode attention has two backends with one contract: the native kernel
 (torch.ops.llmserve.paged_decode_attention, llmserve/kernels), which reads K/V straight from the
 blocks, and a pure-torch path that gathers each sequence's blocks first. The cache write likewise:
-the native reshape_and_cache (one memcpy a row) or write_kv_cache (index_copy_). The engine picks one at
-start-up with LlamaForCausalLM.use_native_attention(); the choice belongs to that model.
+the native reshape_and_cache (one memcpy a row) or write_kv_cache (index_copy_). The engine picks
+one at start-up with LlamaForCausalLM.use_native_attention(); the choice belongs to that model.
 """
 
 from __future__ import annotations

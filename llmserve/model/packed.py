@@ -9,12 +9,11 @@ and skipped, with a log line, where this torch build or CPU cannot do it.
 
 Compiled graphs call the same packed weights through llmserve::onednn_linear(x, handle), a native
 op (llmserve/kernels) that saves a Python call per layer, or llmserve::packed_linear where the
-native kernels are unavailable: the handle names an entry of a process-wide table (kept in
+native kernels are unavailable. The handle names an entry of a process-wide table (kept in
 Python, and mirrored in the native op's own table once it is in use), so the weight never enters
-the graph. (As a graph
-constant, an opaque oneDNN tensor needs inductor's freezing and cannot be pickled, which turns
-off inductor's on-disk cache; an int handle keeps the graph small and cacheable, and eager and
-compiled share one copy of the weights.)
+the graph. (As a graph constant, an opaque oneDNN tensor needs inductor's freezing and cannot be
+pickled, which turns off inductor's on-disk cache; an int handle keeps the graph small and
+cacheable, and eager and compiled share one copy of the weights.)
 """
 
 from __future__ import annotations
