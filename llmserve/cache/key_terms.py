@@ -7,15 +7,17 @@ both questions name the same things:
 
     key_terms(text): the content words of the text, lowercased, stemmed and mapped onto a small
     table of synonyms; words about the *form* of a question ("what", "how", "way", "command",
-    "explain", ...) and function words are dropped. Before that, a few question idioms are put in
-    one form: "what makes/causes X" is "why X", "what/which year" is "when", "which artist
-    painted" is "who painted", "how fast does X travel" is "the speed of X", "how many people live
-    in X" is "the population of X"; ordinals and Roman numerals are one token ("Second", "II"). Plus the `targets`: the key term after each
-    directional word ("convert miles to km" -> to: km; "faster than Java" -> than: java), and the
-    numbers in the order they come ("10 divided by 2" is not "2 divided by 10").
-    same_question(a, b): equal key terms (two synonyms in one text count twice), the same numbers in the same order, the same answer
-    kinds (who / when / where / why), targets equal where both have one, and at least one key term (a text with none, such as one in a script
-    this table does not read, never matches).
+    "explain", ...) and function words are dropped. First, a few question idioms are put in one
+    form ("what makes X" is "why X", "what year" is "when", "which artist painted" is "who
+    painted", "how fast does X travel" is "the speed of X", "how many people live in X" is "the
+    population of X"), and ordinals and Roman numerals become one token ("Second", "II": "#2").
+    Beside the terms: the kind of answer asked for (who, when, where, why); the `targets`, the key
+    term after each directional word ("convert miles to km" -> to: km; "faster than Java" -> than:
+    java); and the numbers in the order they come, each with the key term after it ("10 divided
+    by 2" is not "2 divided by 10", "10 km" is not "10 miles").
+    same_question(a, b): all of those equal (targets where both have one; two synonyms in one text
+    count twice), and at least one key term (a text with none, such as one in a script this
+    table does not read, never matches).
 
 English only; for other languages the check degrades to "the same words", which is stricter, not
 looser. It errs towards misses: a paraphrase that swaps a content word for one the table does not
@@ -93,7 +95,6 @@ ANSWER_KINDS = {"who": "who", "whom": "who", "whose": "who", "when": "when", "wh
 ORDINALS = {w: f"#{n}" for n, words in enumerate((
     "first 1st", "second 2nd ii", "third 3rd iii", "fourth 4th iv", "fifth 5th", "sixth 6th",
     "seventh 7th vii", "eighth 8th viii", "ninth 9th ix", "tenth 10th"), start=1) for w in words.split()}
-ORDINALS["i#"] = "#1"
 SUFFIXES = ("ing", "ers", "er", "ors", "or", "ed", "es", "s", "e")
 VOWELS = re.compile("[aeiouy]")
 DIRECTIONAL = ("to", "into", "than", "by", "from", "per", "versus", "vs")
@@ -118,7 +119,7 @@ class KeyTerms:
     terms: tuple[str, ...]  # sorted; synonyms both count: "standard normal" is not "normal"
     targets: dict[str, str]  # directional word -> the key term after its last occurrence
     numbers: tuple[str, ...]  # in order, each with the key term after it: "10 km" -> "10 km"
-    asks: frozenset[str] = frozenset()  # what kind of answer: who, when, where, why
+    asks: frozenset[str]  # what kind of answer: who, when, where, why
 
 
 def _words(text: str) -> list[str]:
@@ -130,7 +131,7 @@ def _words(text: str) -> list[str]:
     out, numeral_may_follow, end = [], False, -1
     for m in re.finditer(r"[A-Za-z0-9]+", text):
         w = m.group()
-        word = "i#" if w == "I" and numeral_may_follow else w.lower()
+        word = "#1" if w == "I" and numeral_may_follow else w.lower()
         out.append(ORDINALS.get(word, word))
         # "World War I", but not "Should I" or "Thanks. Can I": the word before the numeral is
         # capitalised and does not start a sentence

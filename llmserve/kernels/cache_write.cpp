@@ -6,8 +6,7 @@
 //   slot_mapping  [N] int64                          row n goes to slot slot_mapping[n]
 //                                                    (block * block_size + offset)
 // A row is kvh * hd contiguous elements on both sides (rows may be strided in k and v), so each
-// is one memcpy. The same slot
-// twice in one call keeps the later row, as index_copy_ does.
+// is one memcpy. The same slot twice in one call keeps the later row, as index_copy_ does.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

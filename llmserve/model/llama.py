@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def use_native_attention(self, enabled: bool) -> None:
-        """Decode attention through the native kernel (True) or pure torch (False)."""
+        """Decode attention and the KV-cache write through the native kernels (True) or pure torch."""
         for layer in self.layers:
             layer.self_attn.attn.native = bool(enabled)
 
