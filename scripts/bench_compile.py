@@ -2,13 +2,13 @@
 
 Modes: eager and inductor in float32 and bfloat16, and int8 (weight-only, eager). Every mode runs
 through the engine's own path (ModelRunner.setup_execution, then ModelRunner.forward: the compiled
-decode graph or eager) and ends with the LM head and argmax:
+step graph or eager) and ends with the LM head and argmax:
 - decode steps at batch 1, 8 and 32, every sequence at --context tokens;
 - one fresh 512-token prefill chunk (--prefill).
 All modes are loaded first, then measured in --rounds interleaved rounds, so a noisy neighbour
 slows every mode alike; a cell is the median over rounds, and `vs eager` is the median of the
 per-round ratios against the eager mode of the same dtype.
-Start-up: fresh processes compile the bfloat16 decode graph with an empty inductor cache (cold),
+Start-up: fresh processes compile the bfloat16 step graph with an empty inductor cache (cold),
 then again with that cache (warm); each prints the seconds setup_execution took.
 Usage: python scripts/bench_compile.py [--model DIR] [--batches 1,8,32] [--rounds 5] [--modes ...]
 """
@@ -65,12 +65,12 @@ def tokens_per_s(runner: ModelRunner, make, tokens: int, steps: int) -> float:
     return tokens * steps / (time.perf_counter() - t)
 
 
-def startup(model_dir: str, dtype: str, max_batch: int) -> float:
+def startup(model_dir: str, dtype: str) -> float:
     """Seconds setup_execution("inductor") takes in this process (cache as the environment says)."""
     model = load_model(model_dir, getattr(torch, dtype))
     runner = ModelRunner(model, 64, BLOCK, getattr(torch, dtype))
     t = time.perf_counter()
-    runner.setup_execution("inductor", max_batch)
+    runner.setup_execution("inductor")
     return time.perf_counter() - t
 
 
@@ -113,14 +113,14 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     batches = [int(b) for b in args.batches.split(",")]
     if args.startup_only:
-        print(f"{startup(model_dir, args.startup_only, max(batches)):.1f}")
+        print(f"{startup(model_dir, args.startup_only):.1f}")
         return
     blocks = max(max(batches) * -(-(args.context + 1) // BLOCK), -(-args.prefill // BLOCK)) + 1
     runners = {}
     for name in args.modes.split(","):
         dtype, compile, quant = MODES[name]
         runners[name] = ModelRunner(load_model(model_dir, dtype, quant), blocks, BLOCK, dtype)
-        runners[name].setup_execution(compile, max(batches))  # as the engine does
+        runners[name].setup_execution(compile)  # as the engine does
     rounds = []
     for i in range(args.rounds):
         rounds.append(measure_round(runners, batches, args))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.attention import AttentionMetadata
+from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.quantize import save_quantized
 from llmserve.model.resolve import default_gguf_path
@@ -19,42 +19,84 @@ from llmserve.model.resolve import default_gguf_path
 ENGLISH = (Path(__file__).parent / "data" / "english.txt").read_text()
 
 
+class CountingCalls:
+    """Stands in for the eager model in ModelRunner.forward and counts its calls."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.model(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
 def test_inductor_matches_eager(tiny_model):
     ps = [list(range(3, 3 + n)) for n in (5, 17, 40, 3, 60, 9, 22, 31)]  # 8 mixed requests
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    compiled = LLM(tiny_model, compile="inductor", max_num_seqs=8)
-    eager = LLM(tiny_model, max_num_seqs=8)
+    compiled = LLM(tiny_model, compile="inductor", max_num_seqs=8, max_num_batched_tokens=48)
+    eager = LLM(tiny_model, max_num_seqs=8, max_num_batched_tokens=48)
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert [o.token_ids for o in compiled.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
-    # start-up compiled the one decode graph every batch size uses: serving compiled nothing more
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
-    assert any(r.num_prefill_tokens == 0 for r in compiled.engine.step_records)  # decode-only steps ran compiled
     runner, model = compiled.engine.runner, compiled.engine.model
-    for rows in (3, 1):  # any batch size runs the one graph; a single row is padded to MIN_ROWS
-        decode_logits_match_eager(runner, model, rows)
+    runner.model = CountingCalls(model)
+    assert [o.token_ids for o in compiled.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
+    # every step, prefill, chunked, mixed or decode, ran the one graph compiled at start-up
+    assert runner.model.calls == 0 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+    records = compiled.engine.step_records
+    assert any(r.num_prefill_tokens == 0 for r in records) and any(r.num_prefill_tokens and r.num_decode_seqs for r in records)
+    runner.model = model
+    bs = runner.block_size
+    for decodes, chunks in STEPS:
+        step_logits_match_eager(runner, model, bs, decodes, chunks)
 
 
-def decode_logits_match_eager(runner, model, rows: int) -> None:
-    """Compiled decode logits equal eager within 1e-4 (fp32); padding never writes a real slot."""
-    caches = [torch.randn_like(c) for c in runner.kv_caches]
-    before = [c.clone() for c in caches]
-    tables = torch.tensor([[1, 2], [3, 0], [4, 5]])[:rows]
-    lens = torch.tensor([20, 7, 18])[:rows]
-    slots = torch.tensor([2 * 16 + 3, 3 * 16 + 6, 5 * 16 + 1])[:rows]
-    ids, pos = torch.tensor([11, 12, 13])[:rows], lens - 1
+# (decode rows: (block table, context incl. the new token); prefill chunks: (block table, tokens, context))
+STEPS = [
+    ([([1, 2], 20), ([3], 7), ([4, 5], 18)], []),  # decode only
+    ([([1, 2], 20)], []),  # one row: padded to MIN_ROWS
+    ([], [([1, 2, 3], 40, 40)]),  # a fresh prompt
+    ([], [([1, 2, 3], 9, 37)]),  # a continued chunk: 28 tokens already cached
+    ([([6], 5), ([7, 8], 30)], [([1, 2], 20, 20), ([3, 4, 5], 11, 44)]),  # mixed
+]
+
+
+def step_logits_match_eager(runner, model, bs: int, decodes, chunks) -> None:
+    """Compiled logits of each sampling row equal eager within 1e-4 (fp32); padding never writes
+    a real slot."""
+    def slot(table, p):
+        return table[p // bs] * bs + p % bs
+
+    ids, pos, slots, prefills, rows = [], [], [], [], []
+    for table, ctx in decodes:
+        pos.append(ctx - 1)
+        slots.append(slot(table, ctx - 1))
+    for table, n, ctx in chunks:
+        prefills.append(PrefillSeq(len(pos), n, ctx, torch.tensor(table)))
+        pos += range(ctx - n, ctx)
+        slots += [slot(table, p) for p in range(ctx - n, ctx)]
+    rows = list(range(len(decodes))) + [p.query_start + p.query_len - 1 for p in prefills]
+    ids = torch.tensor([(11 + 7 * i) % 50 + 3 for i in range(len(pos))])
+    tables = [t for t, _ in decodes]
+    width = max((len(t) for t in tables), default=1)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(decodes), width)
+    lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.long)
+    pos, slots = torch.tensor(pos), torch.tensor(slots)
 
     def meta():
-        return AttentionMetadata(slots, rows, tables, lens, [])
+        return AttentionMetadata(slots, len(decodes), tables, lens, prefills)
 
+    caches = [torch.randn_like(c) for c in runner.kv_caches]
+    before = [c.clone() for c in caches]
     with torch.inference_mode():
-        got = runner.decode_graph(ids, pos, caches, meta())
-        after_compiled = [c.clone() for c in caches]
-        want = model.compute_logits(model(ids, pos, [b.clone() for b in before], meta()))
-    assert got.shape[0] == rows and (got - want).abs().max() <= 1e-4
+        got = runner.step_graph(ids, pos, caches, meta(), rows)
+        want = model.compute_logits(model(ids, pos, [b.clone() for b in before], meta())[rows])
+    assert got.shape[0] == len(rows) and (got - want).abs().max() <= 1e-4
     # padded rows wrote only into the null block: every other slot changed only at `slots`
-    for b, a in zip(before, after_compiled, strict=True):
+    for b, a in zip(before, caches, strict=True):
         changed = (b != a).flatten(3).any(-1).any(0).flatten()  # per slot: [num_blocks * block_size]
-        changed[:16] = False  # block 0, the null block
+        changed[:bs] = False  # block 0, the null block
         assert set(changed.nonzero().flatten().tolist()) == set(slots.tolist())
 
 
@@ -70,8 +112,6 @@ def test_bfloat16_logits_within_tolerance(tiny_model):
 
 
 def run_prefill(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from llmserve.model.attention import PrefillSeq
-
     c = model.config
     n, bs = len(ids), 16
     blocks = -(-n // bs)

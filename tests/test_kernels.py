@@ -1,4 +1,4 @@
-"""The native decode-attention kernel equals plain attention over each sequence's own K/V."""
+"""The native attention kernels equal plain attention over each sequence's own K/V."""
 
 from __future__ import annotations
 
@@ -181,3 +181,47 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
     gc.collect()
     with pytest.raises(RuntimeError, match="no packed weight has handle"):
         torch.ops.llmserve.onednn_linear(x, handle)
+
+
+def mixed_step(dtype, seed: int = 4):
+    """A compiled step's attention inputs: 2 decode rows, a fresh 21-token prompt, a continued
+    chunk of 6 tokens at context 40 and one padding chunk; every new K/V row already in the cache.
+    Also, per flat row, the (table, length) its query attends to."""
+    q, k_cache, v_cache, tables, lens = case(9, 3, 64, [33, 5, 21, 40], dtype, seed=seed)
+    bs = k_cache.shape[1]
+    decode = (tables[:2], lens[:2])
+    chunks = [(2, 21, 21, tables[2]), (23, 6, 40, tables[3]), (29, 0, 0, tables[0])]  # (start, tokens, context, table)
+    rows = [(tables[0], 33), (tables[1], 5)]
+    rows += [(t, p + 1) for _, n, ctx, t in chunks for p in range(ctx - n, ctx)]
+    slots = [int(t[(p - 1) // bs]) * bs + (p - 1) % bs for t, p in rows]  # each row's own token
+    k = k_cache.flatten(0, 1)[slots]
+    v = v_cache.flatten(0, 1)[slots]
+    q = (torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+    starts, ns, ctxs, ptables = (torch.stack([torch.as_tensor(c[i]) for c in chunks]) for i in range(4))
+    args = (q, k, v, k_cache, v_cache, *decode, starts, ns, ctxs, ptables, 0.125)
+    return args, rows
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_attention_covers_a_mixed_step(op, dtype, tol):
+    """The whole-step op (native and pure torch) gives every row of decodes and prefill chunks
+    attention over exactly its own sequence's tokens up to its position; padding chunks are skipped."""
+    import llmserve.model.attention  # noqa: F401  (registers paged_attention_torch)
+
+    args, rows = mixed_step(dtype)
+    q, k_cache, v_cache = args[0], args[3], args[4]
+    tables = torch.stack([torch.nn.functional.pad(t, (0, 4 - len(t))) for t, _ in rows])
+    want = reference(q, k_cache, v_cache, tables, torch.tensor([n for _, n in rows]), 0.125)
+    for impl in (torch.ops.llmserve.paged_attention, torch.ops.llmserve.paged_attention_torch):
+        got = impl(*args)
+        assert got.dtype == dtype and got.shape == q.shape
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), (impl, err)
+
+
+def test_paged_attention_refuses_a_chunk_that_does_not_fit(op):
+    args, _ = mixed_step(torch.float32)
+    ctxs = args[9].clone()
+    ctxs[1] = 5  # fewer tokens of context than the chunk's 6 queries
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.llmserve.paged_attention(*args[:9], ctxs, *args[10:])

@@ -65,7 +65,7 @@ class LLMEngine:
         self.proposer = self._proposer(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
-        self.runner.setup_execution(self.compile, self._max_decode_rows(config), config.attention_backend)
+        self.runner.setup_execution(self.compile, config.attention_backend)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
             self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,
@@ -106,13 +106,6 @@ class LLMEngine:
         store = RedisKVStore(config.redis_url, namespace, shape, self.dtype, timeout_s=config.redis_timeout)
         self.kv.tier = KVTier(store, self.runner.kv_caches)
         return store
-
-    @staticmethod
-    def _max_decode_rows(config: EngineConfig) -> int:
-        """Rows of a decode step: one per sequence, 1 + K for those that speculate."""
-        if config.speculative_method is None:
-            return config.max_num_seqs
-        return max(config.max_num_seqs, min(config.max_num_seqs, config.speculative_max_batch) * (1 + config.num_speculative_tokens))
 
     @staticmethod
     def _proposer(config: EngineConfig) -> NgramProposer | None:

@@ -22,7 +22,7 @@ from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
-from llmserve.model.compile import DecodeGraph
+from llmserve.model.compile import StepGraph
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.packed import pack_linears
 
@@ -74,28 +74,28 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
-        self.decode_graph: DecodeGraph | None = None  # set by setup_execution("inductor")
+        self.step_graph: StepGraph | None = None  # set by setup_execution("inductor")
 
-    def setup_execution(self, compile: str, max_batch: int, attention_backend: str = "auto") -> None:
-        """Decode attention: the native kernel when `auto` and it builds here, else pure torch.
-        Linear weights are packed for oneDNN (int8 layers are left alone); `--compile inductor`
-        then compiles the decode graph over those same packed weights. tensorrt is refused before
-        the model loads."""
+    def setup_execution(self, compile: str, attention_backend: str = "auto") -> None:
+        """Attention: the native kernels when `auto` and they build here, else pure torch. Linear
+        weights are packed for oneDNN (int8 layers are left alone); `--compile inductor` then
+        compiles the step graph over those same packed weights. tensorrt is refused before the
+        model loads."""
         self.model.use_native_attention(attention_backend == "auto" and kernels.load())
         logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
         if compile == "inductor":
-            graph = DecodeGraph(self.model, max_batch)
-            logger.info("compiled decode graph ready in %.1f s", graph.warm_up(self.kv_caches))
-            self.decode_graph = graph
+            graph = StepGraph(self.model)
+            logger.info("compiled step graph ready in %.1f s", graph.warm_up(self.kv_caches))
+            self.step_graph = graph
 
     def forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden [T, hidden] or None, logits [len(logit_rows), vocab] fp32 or None).
-        Decode-only batches that fit the compiled graph run it (logits only); others run eager."""
-        g, n, rows = self.decode_graph, inp.input_ids.shape[0], inp.logit_rows
-        every_row_samples = len(rows) == n and sorted(rows) == list(range(n)) and not inp.prompt_rows
-        if g is not None and inp.meta.num_decodes == n and g.fits(n) and every_row_samples:
-            logits = g(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-            return None, logits if rows == list(range(n)) else logits[rows]
+        """(hidden [T, hidden] or None, logits [len(logit_rows), vocab] fp32 or None). With a
+        compiled graph every step runs it (logits only), except those that score prompt tokens,
+        which need the hidden states."""
+        g, rows = self.step_graph, inp.logit_rows
+        if g is not None and not inp.prompt_rows:
+            logits = g(inp.input_ids, inp.positions, self.kv_caches, inp.meta, rows)  # writes the cache even with no rows
+            return None, logits if rows else None
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         return hidden, logits

@@ -112,3 +112,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("llmserve::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("llmserve::paged_attention")
+    def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, context_len, prefill_tables, scale):
+        return torch.empty_like(q)

@@ -1,4 +1,6 @@
 // Decode attention straight from the paged KV cache: one query token per sequence, no gather.
+// Below it, paged_attention: a whole flat batch (decode rows, then prefill chunks) in one op, for
+// compiled steps.
 //
 // Shapes (T = the cache dtype, float or bfloat16; q and out share it):
 //   q            [D, H, hd]            one query token per sequence
@@ -390,10 +392,65 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// One prefill chunk: queries [n, H, hd] at positions ctx-n .. ctx-1 of their sequence, attending
+// causally to the sequence's first ctx tokens. A fresh prompt (ctx == n) reads its own new K/V; a
+// continued one gathers its blocks from the cache (written before this call).
+at::Tensor prefill_one(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& table, int64_t ctx, double scale) {
+  const int64_t n = q.size(0), kvh = k_cache.size(2), hd = k_cache.size(3), block_size = k_cache.size(1);
+  at::Tensor keys = k_new, vals = v_new;
+  std::optional<at::Tensor> mask;
+  if (ctx != n) {
+    const at::Tensor blocks = table.narrow(0, 0, (ctx + block_size - 1) / block_size);
+    keys = k_cache.index_select(0, blocks).view({-1, kvh, hd}).narrow(0, 0, ctx);
+    vals = v_cache.index_select(0, blocks).view({-1, kvh, hd}).narrow(0, 0, ctx);
+    const at::Tensor q_pos = at::arange(ctx - n, ctx, table.options());
+    mask = at::arange(ctx, table.options()).unsqueeze(0) <= q_pos.unsqueeze(1);  // [n, ctx] bool
+  }
+  const at::Tensor out = at::scaled_dot_product_attention(
+      q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0), mask,
+      0.0, /*is_causal=*/ctx == n, scale, /*enable_gqa=*/kvh != q.size(1));
+  return out.squeeze(0).transpose(0, 1);
+}
+
+// Attention for a whole flat batch (a compiled step): the first D rows of q are decode rows
+// (block_tables [D, W], seq_lens [D], as paged_decode_attention); then prefill chunk p covers rows
+// query_start[p] .. query_start[p] + query_len[p] - 1, with context_len[p] tokens after this step
+// and its blocks in prefill_tables[p]. A chunk of query_len 0 is padding and is skipped; rows no
+// decode or chunk covers come out as zeros. k, v: [T, kvh, hd], this step's new K/V.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& context_len,
+                           const at::Tensor& prefill_tables, double scale) {
+  const int64_t d = block_tables.size(0), t = q.size(0);
+  TORCH_CHECK(d <= t && k.size(0) == t && v.size(0) == t, "decode rows and new K/V must fit the batch");
+  TORCH_CHECK(query_start.size(0) == query_len.size(0) && context_len.size(0) == query_len.size(0) &&
+                  prefill_tables.size(0) == query_len.size(0), "one start, length, context and table per chunk");
+  at::Tensor out = at::zeros_like(q);
+  if (d) out.narrow(0, 0, d).copy_(paged_decode_attention(q.narrow(0, 0, d), k_cache, v_cache, block_tables, seq_lens, scale));
+  const at::Tensor starts = query_start.contiguous(), lens = query_len.contiguous(), ctxs = context_len.contiguous();
+  const int64_t block_size = k_cache.size(1);
+  for (int64_t p = 0; p < lens.size(0); ++p) {
+    const int64_t s = starts.data_ptr<int64_t>()[p], n = lens.data_ptr<int64_t>()[p], ctx = ctxs.data_ptr<int64_t>()[p];
+    if (n == 0) continue;
+    TORCH_CHECK(s >= d && s + n <= t && n <= ctx && ctx <= prefill_tables.size(1) * block_size,
+                "prefill chunk ", p, " (start ", s, ", ", n, " tokens, context ", ctx, ") does not fit");
+    out.narrow(0, s, n).copy_(prefill_one(q.narrow(0, s, n), k.narrow(0, s, n), v.narrow(0, s, n), k_cache, v_cache,
+                                          prefill_tables[p], ctx, scale));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start, Tensor query_len, Tensor context_len, Tensor prefill_tables, "
+        "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention", &paged_attention);
+}

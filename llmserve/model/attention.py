@@ -31,6 +31,17 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """The prefill chunks of a step as tensors, for a compiled graph: [P] int64 each (a chunk of
+    query_len 0 is padding), and block_tables [P, max_blocks] int64 (null-block padded)."""
+
+    query_start: torch.Tensor
+    query_len: torch.Tensor
+    context_len: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
     num_decodes: int  # the first num_decodes tokens are single decode tokens
@@ -38,6 +49,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length incl. the new token
     prefills: list[PrefillSeq]
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks*block_size] fp32: 0 or -inf
+    prefill_batch: PrefillBatch | None = None  # in a compiled step, `prefills` as tensors (and `prefills` empty)
 
     def prepare_decode_bias(self, block_size: int) -> None:
         """Build the padding mask (fp32) once per forward; every layer shares it."""
@@ -73,57 +85,80 @@ class KVCacheAttention(torch.nn.Module):
             torch.ops.llmserve.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         else:
             torch.ops.llmserve.write_kv_cache(kv_cache, meta.slot_mapping, k, v)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        pb = meta.prefill_batch
+        if pb is None:
+            return attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.native)
+        # a compiled step: every row in one opaque op, whatever the mix of decodes and chunks
+        op = torch.ops.llmserve.paged_attention if self.native else torch.ops.llmserve.paged_attention_torch
+        return op(q, k, v, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
+                  pb.query_start, pb.query_len, pb.context_len, pb.block_tables, self.scale)
 
-        out = torch.empty_like(q)
-        d = meta.num_decodes
-        if d:
-            out[:d] = self._decode(q[:d], k_cache, v_cache, meta)
-        for p in meta.prefills:
-            sl = slice(p.query_start, p.query_start + p.query_len)
-            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p)
-        return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
-        if self.native:
-            return torch.ops.llmserve.paged_decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
-        meta.prepare_decode_bias(k_cache.shape[1])  # built by the first layer, shared by the rest
-        d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
-        keys, vals = _gather(k_cache, meta.decode_block_tables), _gather(v_cache, meta.decode_block_tables)
-        if q.dtype == torch.float32:  # the CPU flash kernel is the fastest fp32 path
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=meta.decode_bias,
-                scale=self.scale, enable_gqa=kvh != self.num_heads,
-            )
-            return out[:, :, 0, :]
-        # bf16: that kernel is slow for a single query; bf16 matmuls with an fp32 softmax are not
-        scores = torch.matmul(q.view(d, kvh, -1, hd), keys.permute(0, 2, 3, 1)).float()  # [D, kvh, g, L]
-        probs = torch.softmax(scores * self.scale + meta.decode_bias, dim=-1).to(vals.dtype)
-        return torch.matmul(probs, vals.transpose(1, 2)).reshape(d, self.num_heads, hd)
+def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, native: bool) -> torch.Tensor:
+    """q [T, H, hd], new k/v [T, kvh, hd] (already in the cache) -> [T, H, hd]; rows that neither a
+    decode nor a prefill chunk covers are zeros."""
+    out = torch.zeros_like(q)
+    d = meta.num_decodes
+    if d:
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, native)
+    for p in meta.prefills:
+        sl = slice(p.query_start, p.query_start + p.query_len)
+        out[sl] = _prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p, scale)
+    return out
 
-    def _prefill(self, q, k_new, v_new, k_cache, v_cache, p: PrefillSeq) -> torch.Tensor:
-        # q: [n, H, hd]; a fresh prompt attends to its own K/V, a continued one reads the cache.
-        n, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
-        if p.context_len == n:
-            keys, vals, mask, causal = k_new, v_new, None, True
-        else:
-            keys = _gather(k_cache, p.block_table).view(-1, kvh, hd)[: p.context_len]
-            vals = _gather(v_cache, p.block_table).view(-1, kvh, hd)[: p.context_len]
-            q_pos = torch.arange(p.context_len - n, p.context_len, device=q.device)
-            mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
-            causal = False
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, native: bool) -> torch.Tensor:
+    # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
+    if native:
+        return torch.ops.llmserve.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    meta.prepare_decode_bias(k_cache.shape[1])  # built by the first layer, shared by the rest
+    d, heads, hd = q.shape
+    kvh = k_cache.shape[2]
+    keys, vals = _gather(k_cache, meta.decode_block_tables), _gather(v_cache, meta.decode_block_tables)
+    if q.dtype == torch.float32:  # the CPU flash kernel is the fastest fp32 path
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.to(q.dtype).transpose(0, 1)[None],
-            vals.to(q.dtype).transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=kvh != self.num_heads,
+            q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=meta.decode_bias,
+            scale=scale, enable_gqa=kvh != heads,
         )
-        return out[0].transpose(0, 1)
+        return out[:, :, 0, :]
+    # bf16: that kernel is slow for a single query; bf16 matmuls with an fp32 softmax are not
+    scores = torch.matmul(q.view(d, kvh, -1, hd), keys.permute(0, 2, 3, 1)).float()  # [D, kvh, g, L]
+    probs = torch.softmax(scores * scale + meta.decode_bias, dim=-1).to(vals.dtype)
+    return torch.matmul(probs, vals.transpose(1, 2)).reshape(d, heads, hd)
+
+
+def _prefill(q, k_new, v_new, k_cache, v_cache, p: PrefillSeq, scale: float) -> torch.Tensor:
+    # q: [n, H, hd]; a fresh prompt attends to its own K/V, a continued one reads the cache.
+    n, heads, hd = q.shape
+    kvh = k_cache.shape[2]
+    if p.context_len == n:
+        keys, vals, mask, causal = k_new, v_new, None, True
+    else:
+        keys = _gather(k_cache, p.block_table).view(-1, kvh, hd)[: p.context_len]
+        vals = _gather(v_cache, p.block_table).view(-1, kvh, hd)[: p.context_len]
+        q_pos = torch.arange(p.context_len - n, p.context_len, device=q.device)
+        mask = torch.arange(p.context_len, device=q.device)[None, :] <= q_pos[:, None]
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.to(q.dtype).transpose(0, 1)[None],
+        vals.to(q.dtype).transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=kvh != heads,
+    )
+    return out[0].transpose(0, 1)
+
+
+def paged_attention_torch(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, context_len,
+                          prefill_tables, scale: float) -> torch.Tensor:
+    """The pure-torch llmserve::paged_attention (a whole compiled step's attention; see the kernel)."""
+    chunks = zip(query_start.tolist(), query_len.tolist(), context_len.tolist(), prefill_tables, strict=True)
+    prefills = [PrefillSeq(s, n, c, table) for s, n, c, table in chunks if n]
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), block_tables.shape[0], block_tables, seq_lens, prefills)
+    return attend(q, k, v, k_cache, v_cache, meta, scale, native=False)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -139,6 +174,12 @@ _LIB = torch.library.Library("llmserve", "FRAGMENT")
 _LIB.define("write_kv_cache(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor k, Tensor v) -> ()")
 _LIB.impl("write_kv_cache", write_kv_cache, "CPU")
 _LIB.impl("write_kv_cache", lambda kv_cache, slot_mapping, k, v: None, "Meta")
+_LIB.define(
+    "paged_attention_torch(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor seq_lens, Tensor query_start, Tensor query_len, Tensor context_len, Tensor prefill_tables, "
+    "float scale) -> Tensor")
+_LIB.impl("paged_attention_torch", paged_attention_torch, "CPU")
+_LIB.impl("paged_attention_torch", lambda q, *rest: torch.empty_like(q), "Meta")
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

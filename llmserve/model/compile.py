@@ -1,17 +1,17 @@
 """Compiled execution: `--compile none | inductor | auto | tensorrt`.
 
-inductor: decode-only steps run one torch.compile'd graph, from token ids to fp32 logits, for every
-batch size up to max_batch. The batch and the block-table width are dynamic dimensions, so a
-single graph serves every batch size and context length. Dynamo specialises sizes 0 and 1, so a
-batch of 1 is padded to MIN_ROWS and a table to MIN_ROWS blocks: a padded row carries token 0 at
-position 0, writes its K/V into the null block 0 (slot 0) and attends to 1 token, so it never
-touches a real sequence's cache; padded table columns name the null block and lie past every
-sequence's length. Prefill and mixed steps run the eager model.
+inductor: every step runs one torch.compile'd graph (StepGraph), from token ids to the fp32 logits
+of the rows that sample, whatever its mix of decode rows and prefill chunks. The token count, the
+decode rows, the prefill chunks, the block-table widths and the logit rows are dynamic dimensions,
+so a single graph serves every batch, prompt and context length; sizes 0 and 1 are padded (see
+StepGraph). Only steps that score prompt tokens (prompt_logprobs) run the eager model: they need
+the hidden state of every row.
 
 The graph holds no weights: linear layers call the oneDNN-packed weights the eager model uses,
-by handle (llmserve::packed_linear, model/packed.py). The KV-cache write and the decode attention
-are opaque in-place ops (llmserve::write_kv_cache, llmserve::paged_decode_attention), so the
-compiled graph updates the cache where it lies instead of copying it.
+by handle (llmserve::packed_linear, model/packed.py). The KV-cache write and the attention are
+opaque in-place ops (llmserve::reshape_and_cache, llmserve::paged_attention), so the compiled
+graph updates the cache where it lies instead of copying it, and one attention call per layer
+covers every row of the step.
 
 Compiled code is cached in cache_dir("inductor"); inductor keys it by the graph, its shapes and
 the torch version, so a warm start loads it instead of compiling. Compiling shows a progress
@@ -31,7 +31,7 @@ import torch
 
 from llmserve.errors import LLMServeError
 from llmserve.kernels import cpu_flags
-from llmserve.model.attention import AttentionMetadata
+from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.packed import use_native_linear
 from llmserve.paths import cache_dir
 
@@ -91,60 +91,91 @@ def configure_inductor() -> None:
     inductor_config.fx_graph_cache = True  # a second start loads compiled graphs from disk
 
 
-class DecodeGraph:
-    """The compiled decode step: [B] token ids -> [B, vocab] fp32 logits, B <= max_batch.
+class StepGraph:
+    """One compiled step: token ids -> fp32 logits of the chosen rows, for any flat batch.
+
+    Decode-only, prefill-only and mixed steps all run it: the token count, the decode rows, the
+    prefill chunks, the block-table widths and the logit rows are dynamic dimensions. Dynamo
+    specialises sizes 0 and 1, so each of those is padded to MIN_ROWS: a padded decode row
+    carries token 0 at position 0, writes its K/V into the null block 0 (slot 0) and attends to 1
+    token; a padded chunk has 0 tokens; padded table columns name the null block; padded logit
+    rows repeat row 0 and are cut off. Padding never touches a real sequence's cache.
 
     It runs with inductor's C++ wrapper (the code that calls the graph's kernels and ops in
     order). In Python that code costs about 80 us a layer (tensor views, size asserts, ~10 calls);
     in C++ it measured 1.41x -> 1.52x eager at batch 1 and 1.38x -> 1.57x at batch 8
     (scripts/bench_compile.py), for a cold compile of 70-84 s instead of 55."""
 
-    def __init__(self, model: torch.nn.Module, max_batch: int):
+    def __init__(self, model: torch.nn.Module):
         configure_inductor()
         use_native_linear()
         self.model = model
-        self.max_batch = max(max_batch, MIN_ROWS)
-        self.fn = torch.compile(self._decode, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+        self.fn = torch.compile(self._step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
 
-    def _decode(self, ids, positions, slots, tables, seq_lens, kv_caches):
-        meta = AttentionMetadata(slots, ids.shape[0], tables, seq_lens, [])
-        return self.model.compute_logits(self.model(ids, positions, kv_caches, meta))
+    def _step(self, ids, positions, slots, tables, seq_lens, starts, lens, contexts, prefill_tables, rows, kv_caches):
+        meta = AttentionMetadata(slots, tables.shape[0], tables, seq_lens, [],
+                                 prefill_batch=PrefillBatch(starts, lens, contexts, prefill_tables))
+        return self.model.compute_logits(self.model(ids, positions, kv_caches, meta)[rows])
 
-    def fits(self, n: int) -> bool:
-        return n <= self.max_batch
-
-    def __call__(self, ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [D, vocab] fp32 for a decode-only batch of D <= max_batch rows (meta as model.forward)."""
-        d = ids.shape[0]
-        assert self.fits(d) and meta.num_decodes == d and not meta.prefills
-        slots, tables, seq_lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
-        if tables.shape[1] < MIN_ROWS:
-            tables = torch.cat([tables, tables.new_zeros(d, MIN_ROWS - tables.shape[1])], dim=1)
-        if d < MIN_ROWS:
-            z = ids.new_zeros(MIN_ROWS - d)
-            ids, positions, slots = torch.cat([ids, z]), torch.cat([positions, z]), torch.cat([slots, z])
-            tables = torch.cat([tables, tables.new_zeros(len(z), tables.shape[1])])
-            seq_lens = torch.cat([seq_lens, torch.ones_like(z)])
-        for t in (ids, positions, slots, tables, seq_lens):
+    def __call__(self, ids, positions, kv_caches, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+        """Logits [len(rows), vocab] fp32 of flat rows `rows` (ids, positions, meta as model.forward)."""
+        d, pad = meta.num_decodes, max(MIN_ROWS - meta.num_decodes, 0)
+        z = ids.new_zeros(pad)
+        ids, positions, slots = (torch.cat([x[:d], z, x[d:]]) for x in (ids, positions, meta.slot_mapping))
+        tables = _pad(_pad(meta.decode_block_tables, 1, MIN_ROWS), 0, d + pad)
+        seq_lens = torch.cat([meta.decode_seq_lens, torch.ones_like(z)])
+        chunks = meta.prefills
+        starts, lens, contexts = (torch.tensor([getattr(p, f) for p in chunks], dtype=torch.long)
+                                  for f in ("query_start", "query_len", "context_len"))
+        starts += pad
+        width = max([len(p.block_table) for p in chunks] + [MIN_ROWS])
+        prefill_tables = torch.stack([_pad(p.block_table, 0, width) for p in chunks]) if chunks else z.new_zeros(0, width)
+        starts, lens, contexts, prefill_tables = (_pad(x, 0, MIN_ROWS) for x in (starts, lens, contexts, prefill_tables))
+        flat_rows = torch.tensor([r + pad if r >= d else r for r in rows] or [0], dtype=torch.long)
+        flat_rows = _pad(flat_rows, 0, MIN_ROWS)
+        args = (ids, positions, slots, tables, seq_lens, starts, lens, contexts, prefill_tables, flat_rows)
+        for t in args:
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(tables, 1)
-        return self.fn(ids, positions, slots, tables, seq_lens, kv_caches)[:d]
+        torch._dynamo.mark_dynamic(prefill_tables, 1)
+        return self.fn(*args, kv_caches)[: len(rows)]
 
     def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
         """Compile (or load from the cache) the graph; returns the seconds it took."""
         last = cache_dir("inductor") / "last_compile_seconds"
         t = time.perf_counter()
-        with _progress("compiling decode graph", _read_seconds(last)):
+        with _progress("compiling the step graph", _read_seconds(last)):
             # inputs made in inference mode, as ModelRunner.execute makes them: a graph compiled for
             # ordinary tensors fails dynamo's dispatch-key guard on inference tensors
             with torch.inference_mode():
-                n = MIN_ROWS  # distinct tensors: dynamo guards on aliasing between inputs
-                ids, positions, slots = (torch.zeros(n, dtype=torch.long) for _ in range(3))
-                meta = AttentionMetadata(slots, n, torch.zeros(n, MIN_ROWS, dtype=torch.long), torch.ones(n, dtype=torch.long), [])
-                self(ids, positions, kv_caches, meta)
+                ids, positions, meta, rows = _warm_up_step()
+                self(ids, positions, kv_caches, meta, rows)
         elapsed = time.perf_counter() - t
         last.write_text(f"{elapsed:.1f}")
         return elapsed
+
+
+def _warm_up_step() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """A mixed step wholly in the null block: 3 decode rows (tables 4 wide), a fresh chunk of 3
+    tokens and a continued one of 4 (tables 5 wide), 6 logit rows. Every dynamic size differs from
+    the others, or dynamo would give equal sizes one symbol and recompile when they part."""
+    decodes, t = 3, 10
+    null = torch.zeros(5, dtype=torch.long)
+    chunks = [PrefillSeq(3, 3, 3, null), PrefillSeq(6, 4, 6, null)]
+    meta = AttentionMetadata(torch.zeros(t, dtype=torch.long), decodes, torch.zeros(decodes, 4, dtype=torch.long),
+                             torch.ones(decodes, dtype=torch.long), chunks)
+    positions = torch.cat([torch.zeros(decodes, dtype=torch.long), torch.arange(3), torch.arange(2, 6)])
+    return torch.zeros(t, dtype=torch.long), positions, meta, [0, 1, 2, 5, 8, 9]
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """x with zeros appended along dim up to `size` (unchanged if it is as long already)."""
+    short = size - x.shape[dim]
+    if short <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def _read_seconds(path) -> float:
