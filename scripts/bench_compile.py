@@ -133,7 +133,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--model", model_dir, "--batches", args.batches, "--startup-only", "bfloat16"]
         cold, warm = (subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
                       for _ in range(2))
-    print(f"\ncompile start-up (bfloat16 decode graph, batch up to {max(batches)}): cold cache {cold} s, warm cache {warm} s")
+    print(f"\ncompile start-up (bfloat16 step graph): cold cache {cold} s, warm cache {warm} s")
 
 
 if __name__ == "__main__":

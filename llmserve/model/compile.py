@@ -72,11 +72,11 @@ def choose_mode(requested: str, dtype: torch.dtype, quantize: str | None) -> str
     if quantize:
         mode, why = "none", f"--quantize {quantize} runs eager"
     elif dtype != torch.bfloat16:
-        mode, why = "none", f"{str(dtype).removeprefix('torch.')}: compiled decode measured no faster than eager"
+        mode, why = "none", f"{str(dtype).removeprefix('torch.')}: compiled steps measured no faster than eager"
     elif not bf16_cpu:
         mode, why = "none", "this CPU lacks AVX-512 BF16, where compiled bfloat16 decode was measured to win"
     else:
-        mode, why = "inductor", "bfloat16 on an AVX-512 BF16 CPU: compiled decode measured faster than eager"
+        mode, why = "inductor", "bfloat16 on an AVX-512 BF16 CPU: compiled steps measured faster than eager"
     logger.info("--compile auto chose %s: %s", mode, why)
     return mode
 
