@@ -4,7 +4,7 @@ Modes: eager and inductor in float32 and bfloat16, and int8 (weight-only, eager)
 through the engine's own path (ModelRunner.setup_execution, then ModelRunner.forward: the compiled
 step graph or eager) and ends with the LM head and argmax:
 - decode steps at batch 1, 8 and 32, every sequence at --context tokens;
-- one fresh 512-token prefill chunk (--prefill).
+- one prefill step of 512 tokens (--prefill): one fresh prompt, or --prefill-seqs of them.
 All modes are loaded first, then measured in --rounds interleaved rounds, so a noisy neighbour
 slows every mode alike; a cell is the median over rounds, and `vs eager` is the median of the
 per-round ratios against the eager mode of the same dtype.
@@ -48,12 +48,17 @@ def decode_input(batch: int, context: int) -> ModelInput:
     return ModelInput(torch.randint(100, 1000, (batch,)), torch.full((batch,), context), meta, list(range(batch)), [], [])
 
 
-def prefill_input(n: int) -> ModelInput:
-    table = torch.arange(1, -(-n // BLOCK) + 1)
-    slots = table.repeat_interleave(BLOCK)[:n] * BLOCK + torch.arange(n) % BLOCK
-    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                             [PrefillSeq(0, n, n, table)])
-    return ModelInput(torch.randint(100, 1000, (n,)), torch.arange(n), meta, [n - 1], [], [])
+def prefill_input(n: int, seqs: int = 1) -> ModelInput:
+    """One prefill step of n tokens: `seqs` fresh prompts of n // seqs tokens each."""
+    per, blocks = n // seqs, -(-(n // seqs) // BLOCK)
+    chunks, slots = [], []
+    for s in range(seqs):
+        table = torch.arange(1 + s * blocks, 1 + (s + 1) * blocks)
+        chunks.append(PrefillSeq(s * per, per, per, table))
+        slots.append(table.repeat_interleave(BLOCK)[:per] * BLOCK + torch.arange(per) % BLOCK)
+    meta = AttentionMetadata(torch.cat(slots), 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), chunks)
+    rows = [c.query_start + per - 1 for c in chunks]
+    return ModelInput(torch.randint(100, 1000, (per * seqs,)), torch.arange(per).repeat(seqs), meta, rows, [], [])
 
 
 def tokens_per_s(runner: ModelRunner, make, tokens: int, steps: int) -> float:
@@ -76,11 +81,16 @@ def startup(model_dir: str, dtype: str) -> float:
 
 def measure_round(runners: dict, batches: list[int], args) -> dict[tuple[str, str], float]:
     out = {}
+    n = args.prefill // args.prefill_seqs * args.prefill_seqs
     for name, runner in runners.items():
         for b in batches:
             out[name, f"batch {b}"] = tokens_per_s(runner, lambda b=b: decode_input(b, args.context), b, args.steps)
-        out[name, f"prefill {args.prefill}"] = tokens_per_s(runner, lambda: prefill_input(args.prefill), args.prefill, 2)
+        out[name, prefill_column(args)] = tokens_per_s(runner, lambda: prefill_input(n, args.prefill_seqs), n, 2)
     return out
+
+
+def prefill_column(args) -> str:
+    return f"prefill {args.prefill}" if args.prefill_seqs == 1 else f"prefill {args.prefill_seqs} x {args.prefill // args.prefill_seqs}"
 
 
 def report(rounds: list[dict], names: list[str], columns: list[str]) -> None:
@@ -105,6 +115,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-seqs", type=int, default=1, help="split the prefill step into this many prompts")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-startup", action="store_true")
@@ -115,7 +126,8 @@ def main() -> None:
     if args.startup_only:
         print(f"{startup(model_dir, args.startup_only):.1f}")
         return
-    blocks = max(max(batches) * -(-(args.context + 1) // BLOCK), -(-args.prefill // BLOCK)) + 1
+    prefill_blocks = args.prefill_seqs * -(-(args.prefill // args.prefill_seqs) // BLOCK)
+    blocks = max(max(batches) * -(-(args.context + 1) // BLOCK), prefill_blocks) + 1
     runners = {}
     for name in args.modes.split(","):
         dtype, compile, quant = MODES[name]
@@ -125,7 +137,7 @@ def main() -> None:
     for i in range(args.rounds):
         rounds.append(measure_round(runners, batches, args))
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    report(rounds, list(runners), [f"batch {b}" for b in batches] + [f"prefill {args.prefill}"])
+    report(rounds, list(runners), [f"batch {b}" for b in batches] + [prefill_column(args)])
     if args.no_startup:
         return
     with tempfile.TemporaryDirectory() as cache:
