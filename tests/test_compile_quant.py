@@ -15,6 +15,7 @@ from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.quantize import save_quantized
 from llmserve.model.resolve import default_gguf_path
+from llmserve.paths import cache_dir
 
 ENGLISH = (Path(__file__).parent / "data" / "english.txt").read_text()
 
@@ -49,7 +50,9 @@ def test_inductor_matches_eager(tiny_model):
     runner.model = model
     bs = runner.block_size
     for decodes, chunks in STEPS:
-        step_logits_match_eager(runner, model, bs, decodes, chunks)
+        step_logits_match_eager(runner, model, bs, decodes, chunks, num_blocks=runner.kv_caches[0].shape[1])
+    step_logits_match_eager(runner, model, bs, *STEPS[-1], num_blocks=12)  # another cache size: the same graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
 
 
 # (decode rows: (block table, context incl. the new token); prefill chunks: (block table, tokens, context))
@@ -62,13 +65,29 @@ STEPS = [
 ]
 
 
-def step_logits_match_eager(runner, model, bs: int, decodes, chunks) -> None:
+def step_logits_match_eager(runner, model, bs: int, decodes, chunks, num_blocks: int) -> None:
     """Compiled logits of each sampling row equal eager within 1e-4 (fp32); padding never writes
     a real slot."""
+    caches = [torch.randn(2, num_blocks, *c.shape[2:], dtype=c.dtype) for c in runner.kv_caches]
+    before = [c.clone() for c in caches]
+    with torch.inference_mode():  # as ModelRunner.execute builds a step's inputs
+        ids, pos, meta, rows = step_input(bs, decodes, chunks)
+        got = runner.step_graph(ids, pos, caches, meta, rows)
+        want = model.compute_logits(model(ids, pos, [b.clone() for b in before], meta)[rows])
+    assert got.shape[0] == len(rows) and (got - want).abs().max() <= 1e-4
+    # padded rows wrote only into the null block: every other slot changed only at `slots`
+    for b, a in zip(before, caches, strict=True):
+        changed = (b != a).flatten(3).any(-1).any(0).flatten()  # per slot: [num_blocks * block_size]
+        changed[:bs] = False  # block 0, the null block
+        assert set(changed.nonzero().flatten().tolist()) == set(meta.slot_mapping.tolist())
+
+
+def step_input(bs: int, decodes, chunks) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """(ids, positions, meta, sampling rows) of one step, decode rows first (a STEPS entry)."""
     def slot(table, p):
         return table[p // bs] * bs + p % bs
 
-    ids, pos, slots, prefills, rows = [], [], [], [], []
+    pos, slots, prefills = [], [], []
     for table, ctx in decodes:
         pos.append(ctx - 1)
         slots.append(slot(table, ctx - 1))
@@ -78,26 +97,11 @@ def step_logits_match_eager(runner, model, bs: int, decodes, chunks) -> None:
         slots += [slot(table, p) for p in range(ctx - n, ctx)]
     rows = list(range(len(decodes))) + [p.query_start + p.query_len - 1 for p in prefills]
     ids = torch.tensor([(11 + 7 * i) % 50 + 3 for i in range(len(pos))])
-    tables = [t for t, _ in decodes]
-    width = max((len(t) for t in tables), default=1)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(decodes), width)
+    width = max((len(t) for t, _ in decodes), default=1)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t, _ in decodes], dtype=torch.long).view(len(decodes), width)
     lens = torch.tensor([ctx for _, ctx in decodes], dtype=torch.long)
-    pos, slots = torch.tensor(pos), torch.tensor(slots)
-
-    def meta():
-        return AttentionMetadata(slots, len(decodes), tables, lens, prefills)
-
-    caches = [torch.randn_like(c) for c in runner.kv_caches]
-    before = [c.clone() for c in caches]
-    with torch.inference_mode():
-        got = runner.step_graph(ids, pos, caches, meta(), rows)
-        want = model.compute_logits(model(ids, pos, [b.clone() for b in before], meta())[rows])
-    assert got.shape[0] == len(rows) and (got - want).abs().max() <= 1e-4
-    # padded rows wrote only into the null block: every other slot changed only at `slots`
-    for b, a in zip(before, caches, strict=True):
-        changed = (b != a).flatten(3).any(-1).any(0).flatten()  # per slot: [num_blocks * block_size]
-        changed[:bs] = False  # block 0, the null block
-        assert set(changed.nonzero().flatten().tolist()) == set(slots.tolist())
+    meta = AttentionMetadata(torch.tensor(slots), len(decodes), tables, lens, prefills)
+    return ids, torch.tensor(pos), meta, rows
 
 
 def test_bfloat16_logits_within_tolerance(tiny_model):
@@ -214,3 +218,31 @@ def test_inductor_matches_eager_on_smollm2(smollm):
     runner.model = CountingCalls(runner.model)
     assert [o.token_ids for o in compiled.generate(prompts, params)] == eager
     assert runner.model.calls == 0  # prefill, mixed and decode steps all ran compiled
+
+
+def test_compiled_code_is_cached_in_the_user_cache_dir(tiny_model, tmp_path):
+    """A first start compiles into $LLMSERVE_CACHE_DIR/inductor (not torch's temp-dir default,
+    which loading the model sets first) and records how long it took; a second start loads it
+    from there, without overwriting that record with its short load time."""
+    import os
+
+    code = (
+        "import torch\n"
+        "from llmserve.engine.model_runner import ModelRunner\n"
+        "from llmserve.model.loader import load_model\n"
+        f"runner = ModelRunner(load_model({tiny_model!r}, torch.float32), 40, 16, torch.float32)\n"
+        "runner.setup_execution('inductor')\n"
+        "c = torch._dynamo.utils.counters['inductor']\n"
+        "print(c['fxgraph_cache_hit'], c['fxgraph_cache_miss'])\n"
+    )
+    kernels = os.environ.get("LLMSERVE_KERNEL_CACHE") or str(cache_dir("kernels"))  # built already: not again
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env |= {"LLMSERVE_CACHE_DIR": str(tmp_path), "LLMSERVE_KERNEL_CACHE": kernels}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append((proc.stdout.split()[-2:], (tmp_path / "inductor" / "last_compile_seconds").read_text()))
+    (cold, cold_seconds), (warm, warm_seconds) = runs
+    assert cold == ["0", "1"] and warm == ["1", "0"]  # (hits, misses): compiled, then loaded
+    assert warm_seconds == cold_seconds

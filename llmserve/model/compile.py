@@ -14,8 +14,10 @@ graph updates the cache where it lies instead of copying it, and one attention c
 covers every row of the step.
 
 Compiled code is cached in cache_dir("inductor"); inductor keys it by the graph, its shapes and
-the torch version, so a warm start loads it instead of compiling. Compiling shows a progress
-bar whose ETA is the previous compile's duration on this machine.
+the torch version, so a warm start loads it instead of compiling. The KV cache's block count is
+a dynamic dimension too, so another cache size (--num-blocks, --max-num-seqs) loads the same code.
+Compiling shows a progress bar whose ETA is the previous compile's duration on this machine (a
+warm load does not count: it would make the next cold compile's ETA ten times too short).
 
 tensorrt: needs CUDA and torch_tensorrt; both are checked at start-up with a clear message.
 """
@@ -85,9 +87,15 @@ def configure_inductor() -> None:
     """Process-wide inductor settings: the on-disk cache."""
     import torch._inductor.config as inductor_config
 
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     inductor_cache = cache_dir("inductor")
     inductor_cache.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+    # torch writes its temp-dir default into the environment the first time anything asks for the
+    # cache dir (loading a model does); only a path the user chose is kept
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     inductor_config.fx_graph_cache = True  # a second start loads compiled graphs from disk
 
 
@@ -143,15 +151,19 @@ class StepGraph:
     def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
         """Compile (or load from the cache) the graph; returns the seconds it took."""
         last = cache_dir("inductor") / "last_compile_seconds"
+        misses = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"]
         t = time.perf_counter()
         with _progress("compiling the step graph", _read_seconds(last)):
             # inputs made in inference mode, as ModelRunner.execute makes them: a graph compiled for
             # ordinary tensors fails dynamo's dispatch-key guard on inference tensors
             with torch.inference_mode():
+                for cache in kv_caches:  # [2, num_blocks, ...]: one compile serves every cache size
+                    torch._dynamo.mark_dynamic(cache, 1)
                 ids, positions, meta, rows = _warm_up_step()
                 self(ids, positions, kv_caches, meta, rows)
         elapsed = time.perf_counter() - t
-        last.write_text(f"{elapsed:.1f}")
+        if torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"] > misses:  # a compile, not a cache load
+            last.write_text(f"{elapsed:.1f}")
         return elapsed
 
 
