@@ -55,6 +55,27 @@ def test_inductor_matches_eager(tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
 
 
+def test_speculative_and_prompt_logprob_steps_under_inductor(tiny_model):
+    """Verify steps (1 + K rows a sequence, decode rows of the step graph) run compiled and
+    accept exactly what eager accepts; prompt_logprobs steps fall back to eager and agree too."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "speculative_max_batch": 64}
+    ps = [[5, 6, 7, 5, 6, 7, 5, 6] * 3, list(range(3, 40)), [9] * 6]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    compiled = LLM(tiny_model, compile="inductor", max_num_seqs=4, **spec)
+    eager = LLM(tiny_model, max_num_seqs=4)
+    runner = compiled.engine.runner
+    runner.model = CountingCalls(runner.model)
+    assert [o.token_ids for o in compiled.generate(ps, greedy)] == [o.token_ids for o in eager.generate(ps, greedy)]
+    assert runner.model.calls == 0 and compiled.get_stats().spec_decode["num_drafts"] > 0  # verify steps ran
+    scored = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    got, want = compiled.generate(ps, scored), eager.generate(ps, scored)
+    assert runner.model.calls > 0 and [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):  # the first prompt token has no logprob
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(g.prompt_token_ids)
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-4
+
+
 # (decode rows: (block table, context incl. the new token); prefill chunks: (block table, tokens, context))
 STEPS = [
     ([([1, 2], 20), ([3], 7), ([4, 5], 18)], []),  # decode only
