@@ -416,8 +416,8 @@ at::Tensor prefill_one(const at::Tensor& q, const at::Tensor& k_new, const at::T
 // Attention for a whole flat batch (a compiled step): the first D rows of q are decode rows
 // (block_tables [D, W], seq_lens [D], as paged_decode_attention); then prefill chunk p covers rows
 // query_start[p] .. query_start[p] + query_len[p] - 1, with context_len[p] tokens after this step
-// and its blocks in prefill_tables[p]. A chunk of query_len 0 is padding and is skipped; rows no
-// decode or chunk covers come out as zeros. k, v: [T, kvh, hd], this step's new K/V.
+// and its blocks in prefill_tables[p]. A chunk of query_len 0 is padding and is skipped. Every row
+// is a decode row or lies in one chunk, so out needs no zeroing. k, v: [T, kvh, hd], this step's new K/V.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& context_len,
@@ -426,7 +426,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(d <= t && k.size(0) == t && v.size(0) == t, "decode rows and new K/V must fit the batch");
   TORCH_CHECK(query_start.size(0) == query_len.size(0) && context_len.size(0) == query_len.size(0) &&
                   prefill_tables.size(0) == query_len.size(0), "one start, length, context and table per chunk");
-  at::Tensor out = at::zeros_like(q);
+  at::Tensor out = at::empty_like(q);
   if (d) out.narrow(0, 0, d).copy_(paged_decode_attention(q.narrow(0, 0, d), k_cache, v_cache, block_tables, seq_lens, scale));
   const at::Tensor starts = query_start.contiguous(), lens = query_len.contiguous(), ctxs = context_len.contiguous();
   const int64_t block_size = k_cache.size(1);

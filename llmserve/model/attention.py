@@ -95,9 +95,9 @@ class KVCacheAttention(torch.nn.Module):
 
 
 def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, native: bool) -> torch.Tensor:
-    """q [T, H, hd], new k/v [T, kvh, hd] (already in the cache) -> [T, H, hd]; rows that neither a
-    decode nor a prefill chunk covers are zeros."""
-    out = torch.zeros_like(q)
+    """q [T, H, hd], new k/v [T, kvh, hd] (already in the cache) -> [T, H, hd]. Every row is a
+    decode row or lies in one prefill chunk (padding rows of a compiled step are decode rows)."""
+    out = torch.empty_like(q)
     d = meta.num_decodes
     if d:
         out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, native)

@@ -86,7 +86,6 @@ def choose_mode(requested: str, dtype: torch.dtype, quantize: str | None) -> str
 def configure_inductor() -> None:
     """Process-wide inductor settings: the on-disk cache."""
     import torch._inductor.config as inductor_config
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     inductor_cache = cache_dir("inductor")
@@ -120,7 +119,8 @@ class StepGraph:
         configure_inductor()
         use_native_linear()
         self.model = model
-        self.fn = torch.compile(self._step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True, "cpp_wrapper_build_separate": True})
+        options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+        self.fn = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
 
     def _step(self, ids, positions, slots, tables, seq_lens, starts, lens, contexts, prefill_tables, rows, kv_caches):
         meta = AttentionMetadata(slots, tables.shape[0], tables, seq_lens, [],
