@@ -23,7 +23,10 @@ def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 class EngineConfig:
     model: str | None = _opt(None, "HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     served_model_name: str | None = _opt(None, "model name reported by the API (default: derived from --model)")
-    dtype: str = _opt("float32", "weights, activations and KV cache dtype", ("float32", "bfloat16"))
+    dtype: str = _opt("auto", "weights and activations dtype (auto: bfloat16 where the CPU computes it natively, "
+                      "AVX-512 BF16 or AMX; float32 elsewhere)", ("auto", "float32", "bfloat16"))
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype (auto: the weights' dtype; where auto chose float32 weights, "
+                               "whichever of float32 and bfloat16 measures faster here)", ("auto", "float32", "bfloat16"))
     block_size: int = _opt(16, "tokens per KV cache block")
     num_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory)")
     kv_cache_memory: int = _opt(2 << 30, "KV cache size in bytes")
@@ -34,7 +37,7 @@ class EngineConfig:
     attention_backend: str = _opt(
         "auto", "decode attention: native C++ kernel (auto: when it builds here) or pure torch", ("auto", "torch"))
     compile: str = _opt(
-        "auto", "compiled execution (auto: inductor where it wins here, bfloat16 on AVX-512 BF16 CPUs)",
+        "auto", "compiled execution (auto: inductor where it measured faster; see the execution plan in the log)",
         ("auto", "none", "inductor", "tensorrt"))
     quantize: str | None = _opt(None, "weight-only quantization", ("int8",))
     seed: int = _opt(0, "seed of the engine's default random generator")

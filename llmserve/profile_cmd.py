@@ -46,6 +46,7 @@ def run_profile(args: argparse.Namespace) -> int:
     requests, elapsed = run_workload(engine, [prompt() for _ in range(args.num_prompts)], params, gaps)
 
     steps = list(engine.step_records)
+    print(engine.plan.describe(), end="\n\n")
     print(_report(steps, requests, elapsed))
     if args.trace:
         write_trace(args.trace, steps, requests)

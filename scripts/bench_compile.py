@@ -25,10 +25,12 @@ import time
 
 import torch
 
+from llmserve.config import EngineConfig
 from llmserve.engine.model_runner import ModelInput, ModelRunner
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.resolve import resolve_model
+from llmserve.plan import plan_for
 
 MODES = {  # name: (dtype, compile, quantize)
     "eager fp32": (torch.float32, "none", None),
@@ -74,8 +76,9 @@ def startup(model_dir: str, dtype: str) -> float:
     """Seconds setup_execution("inductor") takes in this process (cache as the environment says)."""
     model = load_model(model_dir, getattr(torch, dtype))
     runner = ModelRunner(model, 64, BLOCK, getattr(torch, dtype))
+    plan = plan_for(EngineConfig(dtype=dtype, kv_cache_dtype=dtype, compile="inductor"), model.config)
     t = time.perf_counter()
-    runner.setup_execution("inductor")
+    runner.setup_execution(plan)
     return time.perf_counter() - t
 
 
@@ -131,8 +134,11 @@ def main() -> None:
     runners = {}
     for name in args.modes.split(","):
         dtype, compile, quant = MODES[name]
-        runners[name] = ModelRunner(load_model(model_dir, dtype, quant), blocks, BLOCK, dtype)
-        runners[name].setup_execution(compile)  # as the engine does
+        model = load_model(model_dir, dtype, quant)
+        name_of = str(dtype).removeprefix("torch.")
+        plan = plan_for(EngineConfig(dtype=name_of, kv_cache_dtype=name_of, compile=compile, quantize=quant), model.config)
+        runners[name] = ModelRunner(model, blocks, BLOCK, dtype)
+        runners[name].setup_execution(plan)  # as the engine does
     rounds = []
     for i in range(args.rounds):
         rounds.append(measure_round(runners, batches, args))

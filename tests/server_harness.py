@@ -66,16 +66,18 @@ def torch_threads_restored() -> Iterator[None]:
 def offline_llm(model_dir: str) -> Iterator[LLM]:
     """The offline reference, with the same engine settings as live_server."""
     with torch_threads_restored():
-        yield LLM(model_dir, num_threads=1)
+        yield LLM(model_dir, dtype="float32", num_threads=1)
 
 
 @contextlib.contextmanager
 def live_server(model_dir: str, **options) -> Iterator[LiveServer]:
-    """options: any EngineConfig or ServerConfig field (e.g. max_num_seqs=2, max_waiting=2)."""
-    engine_opts = {"num_threads": 1, **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
+    """options: any EngineConfig or ServerConfig field (e.g. max_num_seqs=2, max_waiting=2). The
+    engine runs float32, eager, unless options say otherwise: the references tests compare with
+    are float32, whatever dtype `auto` picks on this CPU."""
+    engine_opts = {"num_threads": 1, "dtype": "float32", "compile": "none", **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
     server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
     server_config = from_sources(ServerConfig, env={}, **server_opts)
-    client = EngineClient.launch(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts),
+    client = EngineClient.launch(from_sources(EngineConfig, env={}, dtype="float32", model=model_dir, **engine_opts),
                                  server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
     try:
         app = create_app(client, server_config)
@@ -136,7 +138,7 @@ def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float 
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--num-threads", "1", "--log-level", "warning", *args]
+           "--num-threads", "1", "--dtype", "float32", "--compile", "none", "--log-level", "warning", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_")}
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

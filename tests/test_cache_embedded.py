@@ -136,5 +136,5 @@ def test_local_prefix_cache_serves_a_shared_prefix_exactly(server, tiny_model):
     out = post(server.url, "/generate", {"input_ids": second, "max_tokens": 8, "temperature": 0, "cache": False}).json()
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 496
     with torch_threads_restored():
-        ref = LLM(tiny_model, num_threads=1, enable_prefix_caching=False).generate([second], SamplingParams(max_tokens=8, temperature=0))[0]
+        ref = LLM(tiny_model, dtype="float32", num_threads=1, enable_prefix_caching=False).generate([second], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out["token_ids"] == ref.token_ids and out["generated_text"] == ref.text

@@ -39,7 +39,7 @@ def replicas(tiny_model, redis_server, tmp_path_factory):
 def reference(tiny_model):
     """Uncached greedy tokens: an offline engine without prefix caching."""
     with torch_threads_restored():
-        llm = LLM(tiny_model, num_threads=1, enable_prefix_caching=False)
+        llm = LLM(tiny_model, dtype="float32", num_threads=1, enable_prefix_caching=False)
         yield lambda ids, n: llm.generate([ids], SamplingParams(max_tokens=n, temperature=0))[0].token_ids
 
 

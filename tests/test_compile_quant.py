@@ -37,8 +37,8 @@ class CountingCalls:
 def test_inductor_matches_eager(tiny_model):
     ps = [list(range(3, 3 + n)) for n in (5, 17, 40, 3, 60, 9, 22, 31)]  # 8 mixed requests
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    compiled = LLM(tiny_model, compile="inductor", max_num_seqs=8, max_num_batched_tokens=48)
-    eager = LLM(tiny_model, max_num_seqs=8, max_num_batched_tokens=48)
+    compiled = LLM(tiny_model, dtype="float32", compile="inductor", max_num_seqs=8, max_num_batched_tokens=48)
+    eager = LLM(tiny_model, dtype="float32", max_num_seqs=8, max_num_batched_tokens=48)
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runner, model = compiled.engine.runner, compiled.engine.model
     runner.model = CountingCalls(model)
@@ -61,8 +61,8 @@ def test_speculative_and_prompt_logprob_steps_under_inductor(tiny_model):
     spec = {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "speculative_max_batch": 64}
     ps = [[5, 6, 7, 5, 6, 7, 5, 6] * 3, list(range(3, 40)), [9] * 6]
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    compiled = LLM(tiny_model, compile="inductor", max_num_seqs=4, **spec)
-    eager = LLM(tiny_model, max_num_seqs=4)
+    compiled = LLM(tiny_model, dtype="float32", compile="inductor", max_num_seqs=4, **spec)
+    eager = LLM(tiny_model, dtype="float32", max_num_seqs=4)
     runner = compiled.engine.runner
     runner.model = CountingCalls(runner.model)
     assert [o.token_ids for o in compiled.generate(ps, greedy)] == [o.token_ids for o in eager.generate(ps, greedy)]
@@ -190,8 +190,8 @@ def perplexity(llm: LLM, text: str) -> float:
 
 @realmodel
 def test_int8_perplexity_within_3_percent(smollm):
-    fp32 = perplexity(LLM(None), ENGLISH)
-    int8 = perplexity(LLM(None, quantize="int8"), ENGLISH)
+    fp32 = perplexity(LLM(None, dtype="float32", compile="none"), ENGLISH)
+    int8 = perplexity(LLM(None, dtype="float32", quantize="int8"), ENGLISH)
     print(f"SmolLM2-135M perplexity: float32 {fp32:.3f}, int8 {int8:.3f} ({(int8 / fp32 - 1) * 100:+.2f}%)")
     assert fp32 < 30  # real English on a real model
     assert abs(int8 / fp32 - 1) <= 0.03
@@ -201,7 +201,7 @@ def test_int8_perplexity_within_3_percent(smollm):
 def test_bfloat16_greedy_matches_float32_mostly(smollm):
     sentences = [s.strip() + "." for s in ENGLISH.split(".") if len(s.strip()) > 20][:12]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fp32, bf16 = LLM(None), LLM(None, dtype="bfloat16")
+    fp32, bf16 = LLM(None, dtype="float32", compile="none"), LLM(None, dtype="bfloat16")
     ref = fp32.generate(sentences, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2))
     got = bf16.generate(sentences, params)
     same = 0
@@ -216,16 +216,6 @@ def test_bfloat16_greedy_matches_float32_mostly(smollm):
     assert same >= len(sentences) // 2
 
 
-def test_compile_mode_choice():
-    from llmserve.model.compile import CompileUnavailableError, choose_mode
-
-    with pytest.raises(CompileUnavailableError, match="--quantize int8"):
-        choose_mode("inductor", torch.bfloat16, "int8")  # refused clearly, before the model loads
-    assert choose_mode("auto", torch.float32, None) == "none"  # float32: compiled measured no faster
-    assert choose_mode("auto", torch.bfloat16, "int8") == "none"
-    assert choose_mode("none", torch.bfloat16, None) == "none"
-
-
 @realmodel
 def test_inductor_matches_eager_on_smollm2(smollm):
     """The default model, float32: compiled and eager give identical greedy tokens on 16 mixed
@@ -233,8 +223,8 @@ def test_inductor_matches_eager_on_smollm2(smollm):
     sentences = [s.strip() + "." for s in ENGLISH.split(".") if len(s.strip()) > 20]
     prompts = [" ".join(sentences[(i + k) % len(sentences)] for k in range(1 + i % 3)) for i in range(16)]
     params = [SamplingParams(max_tokens=8 + 2 * i, temperature=0, ignore_eos=True) for i in range(16)]
-    eager = [o.token_ids for o in LLM(None, compile="none", max_num_seqs=16).generate(prompts, params)]
-    compiled = LLM(None, compile="inductor", max_num_seqs=16)
+    eager = [o.token_ids for o in LLM(None, dtype="float32", compile="none", max_num_seqs=16).generate(prompts, params)]
+    compiled = LLM(None, dtype="float32", compile="inductor", max_num_seqs=16)
     runner = compiled.engine.runner
     runner.model = CountingCalls(runner.model)
     assert [o.token_ids for o in compiled.generate(prompts, params)] == eager
@@ -251,8 +241,10 @@ def test_compiled_code_is_cached_in_the_user_cache_dir(tiny_model, tmp_path):
         "import torch\n"
         "from llmserve.engine.model_runner import ModelRunner\n"
         "from llmserve.model.loader import load_model\n"
+        "from llmserve.config import EngineConfig\n"
+        "from llmserve.plan import plan_for\n"
         f"runner = ModelRunner(load_model({tiny_model!r}, torch.float32), 40, 16, torch.float32)\n"
-        "runner.setup_execution('inductor')\n"
+        "runner.setup_execution(plan_for(EngineConfig(dtype='float32', compile='inductor'), runner.model.config))\n"
         "c = torch._dynamo.utils.counters['inductor']\n"
         "print(c['fxgraph_cache_hit'], c['fxgraph_cache_miss'])\n"
     )

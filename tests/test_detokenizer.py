@@ -58,7 +58,7 @@ def test_held_back_text_is_released_when_no_stop_matches(tok):
 
 
 def test_engine_stops_on_string_and_token(tiny_model):
-    llm = LLM(tiny_model)
+    llm = LLM(tiny_model, dtype="float32")
     prompt = list(range(10, 30))
     free = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
     text, ids = free.text, free.token_ids

@@ -34,7 +34,7 @@ def reference(ref, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
 
 def test_same_tokens_as_transformers(tiny_model, ref):
     ps = prompts(16)
-    outs = LLM(tiny_model, max_num_batched_tokens=256).generate(ps, GREEDY)
+    outs = LLM(tiny_model, dtype="float32", max_num_batched_tokens=256).generate(ps, GREEDY)
     for p, o in zip(ps, outs, strict=True):
         expect, scores = reference(ref, p, 64)
         assert len(o.token_ids) == 64 and o.finish_reason == "length"
@@ -46,8 +46,8 @@ def test_same_tokens_as_transformers(tiny_model, ref):
 
 def test_alone_equals_batched_and_cache_off(tiny_model):
     ps = prompts(16, seed=1)
-    batched = [o.token_ids for o in LLM(tiny_model).generate(ps, GREEDY)]
-    alone_llm = LLM(tiny_model, enable_prefix_caching=False)
+    batched = [o.token_ids for o in LLM(tiny_model, dtype="float32").generate(ps, GREEDY)]
+    alone_llm = LLM(tiny_model, dtype="float32", enable_prefix_caching=False)
     for p, b in zip(ps[:4], batched[:4], strict=True):
         assert alone_llm.generate([p], GREEDY)[0].token_ids == b
 
@@ -55,8 +55,8 @@ def test_alone_equals_batched_and_cache_off(tiny_model):
 def test_prefix_caching_hits_and_same_output(tiny_model):
     shared = prompts(1, seed=2, lo=200, hi=200)[0]
     ps = [shared + [5 + i, 7, 9] for i in range(6)]
-    off = [o.token_ids for o in LLM(tiny_model, enable_prefix_caching=False).generate(ps, GREEDY)]
-    llm = LLM(tiny_model, enable_prefix_caching=True)
+    off = [o.token_ids for o in LLM(tiny_model, dtype="float32", enable_prefix_caching=False).generate(ps, GREEDY)]
+    llm = LLM(tiny_model, dtype="float32", enable_prefix_caching=True)
     llm.generate(ps[:1], GREEDY)
     on = [o.token_ids for o in llm.generate(ps, GREEDY)]
     assert on == off
@@ -66,8 +66,8 @@ def test_prefix_caching_hits_and_same_output(tiny_model):
 
 def test_preemption_keeps_output(tiny_model):
     ps = prompts(8, seed=3, lo=40, hi=120)
-    big = [o.token_ids for o in LLM(tiny_model).generate(ps, GREEDY)]
-    small = LLM(tiny_model, num_blocks=30, block_size=8)  # 29 usable blocks = 232 tokens for 8 requests
+    big = [o.token_ids for o in LLM(tiny_model, dtype="float32").generate(ps, GREEDY)]
+    small = LLM(tiny_model, dtype="float32", num_blocks=30, block_size=8)  # 29 usable blocks = 232 tokens for 8 requests
     got = [o.token_ids for o in small.generate(ps, GREEDY)]
     assert small.get_stats().num_preemptions > 0
     assert got == big
@@ -77,7 +77,7 @@ def test_preemption_keeps_output(tiny_model):
 def test_seeded_sampling_is_batch_invariant(tiny_model):
     ps = prompts(10, seed=4, lo=5, hi=60)
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    llm = LLM(tiny_model)
+    llm = LLM(tiny_model, dtype="float32")
     alone = llm.generate([ps[3]], params)[0].token_ids
     in_batch = llm.generate(ps, [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 3 + [params] + [SamplingParams(max_tokens=30, temperature=0.7, ignore_eos=True)] * 6)[3].token_ids
     assert alone == in_batch
@@ -86,7 +86,7 @@ def test_seeded_sampling_is_batch_invariant(tiny_model):
 
 
 def test_no_block_leak_after_finish_and_abort(tiny_model):
-    llm = LLM(tiny_model)
+    llm = LLM(tiny_model, dtype="float32")
     eng = llm.engine
     for i, p in enumerate(prompts(6, seed=5, lo=20, hi=90)):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -77,7 +77,7 @@ def test_wheel_serves_from_any_directory(installed, tmp_path):
         assert server.wait(60) == 0
         log.close()
     cache = Path(env["HOME"]) / ".cache" / "llmserve"
-    assert list((cache / "kernels").glob("llmserve_kernels-*.so")), "the native kernel was not built into the user cache"
+    assert list((cache / "kernels").glob("torch-*/llmserve_kernels*.so")), "the native kernel was not built into the user cache"
     assert "native kernels unavailable" not in (tmp_path / "server.log").read_text()
     package = Path(where).parent
     assert not list(package.rglob("*.so")) and not (package.parent / "models").exists()  # nothing written beside the package

@@ -1,4 +1,6 @@
-"""The native attention kernels equal plain attention over each sequence's own K/V."""
+"""The native attention kernels equal plain attention over each sequence's own K/V, in every ISA
+variant this CPU can run (AVX-512, AVX2, the portable loop), the AVX2 one included on an AVX-512
+machine."""
 
 from __future__ import annotations
 
@@ -12,12 +14,20 @@ from llmserve import kernels
 HAS_COMPILER = bool(shutil.which("c++") or shutil.which("g++"))
 
 
-@pytest.fixture(scope="module")
-def op():
+@pytest.fixture(scope="module", params=["avx512", "avx2", "portable"])
+def op(request):
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler: the engine runs the pure-torch attention")
     assert kernels.load(), "a C++ compiler is present but the native kernels did not build (see the log)"
-    return torch.ops.llmserve.paged_decode_attention
+    before = kernels.selected_isa()
+    try:
+        kernels.select_isa(request.param)
+    except RuntimeError as e:
+        assert "this CPU lacks" in str(e)
+        pytest.skip(f"this CPU lacks {request.param}")
+    assert kernels.selected_isa() == request.param
+    yield torch.ops.llmserve.paged_decode_attention
+    kernels.select_isa(before)
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
@@ -59,17 +69,52 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+DTYPES = [  # (query dtype, cache dtype, tolerance)
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),
+    (torch.float32, torch.bfloat16, 1e-5),  # --kv-cache-dtype bfloat16 under float32 weights
+]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_reference(op, shape, dtype, tol):
+def test_matches_reference(op, shape, dtype, kv_dtype, tol):
     lens = [1, 15, 16, 17, 100, 333]  # inside, at and across block edges
     q, k, v, tables, seq_lens = case(*shape, lens, dtype)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
     scale = shape[2] ** -0.5
     got = op(q, k, v, tables, seq_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     want = reference(q, k, v, tables, seq_lens, scale)
     err = (got.double() - want).abs().max().item()
     assert err <= tol * max(1.0, want.abs().max().item()), err
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", DTYPES)
+@pytest.mark.parametrize("lens", [[2000], [1, 700], [64, 65]])
+def test_long_contexts_split_over_blocks(op, lens, dtype, kv_dtype, tol):
+    """Few sequences with long contexts: each is split over its blocks across threads and the
+    partial softmaxes merged; the result is the whole context's attention."""
+    q, k, v, tables, seq_lens = case(4, 1, 64, lens, dtype, seed=5)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    with threads(4):  # 1 (sequence, KV head) pair per sequence: split into up to 8
+        got = op(q, k, v, tables, seq_lens, 0.125)
+    want = reference(q, k, v, tables, seq_lens, 0.125)
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), err
+    with threads(1):  # unsplit: the same within rounding
+        assert torch.allclose(op(q, k, v, tables, seq_lens, 0.125).float(), got.float(), atol=tol * 4, rtol=tol * 4)
+
+
+class threads:
+    def __init__(self, n: int):
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self):
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
 
 
 @pytest.mark.parametrize("block_size", [8, 24])
@@ -127,7 +172,9 @@ def test_without_a_working_compiler_the_engine_falls_back_to_torch(tmp_path, tin
         "import logging; logging.basicConfig(level=logging.WARNING)\n"
         "from llmserve import LLM, SamplingParams, kernels\n"
         f"llm = LLM({tiny_model!r}, num_blocks=64)\n"
+        "plan = llm.engine.plan\n"
         "assert kernels.load() is False and not llm.engine.model.native_decode\n"
+        "assert plan.attention_backend.value == 'torch' and 'did not build' in plan.attention_backend.reason\n"
         "print(len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids))\n"
     )
     env = dict(os.environ, CXX="false", LLMSERVE_KERNEL_CACHE=str(tmp_path))
@@ -163,15 +210,14 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
     layer is gone is refused instead of reading a freed weight."""
     import gc
 
-    from llmserve.model.packed import PackedLinear, use_native_linear
+    from llmserve.model.packed import PackedLinear
 
-    assert use_native_linear()
     g = torch.Generator().manual_seed(3)
     dense = torch.nn.Linear(64, 40, bias=True)
     with torch.no_grad():
         dense.weight.copy_(torch.randn(40, 64, generator=g))
         dense.bias.copy_(torch.randn(40, generator=g))
-    layer = PackedLinear(dense)  # made after use_native_linear: registered at once
+    layer = PackedLinear(dense, native=True)  # registered in the native op's table
     x = torch.randn(5, 64, generator=g)
     with torch.inference_mode():
         got = torch.ops.llmserve.onednn_linear(x, layer.handle)

@@ -37,7 +37,7 @@ def scrape(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return LLMEngine(from_sources(EngineConfig, env={}, model=tiny_model, num_threads=1, max_num_batched_tokens=64))
+    return LLMEngine(from_sources(EngineConfig, env={}, dtype="float32", model=tiny_model, num_threads=1, max_num_batched_tokens=64))
 
 
 def run(engine: LLMEngine, metrics: ServerMetrics, prompts: list[list[int]], params: list[SamplingParams], abort: frozenset[int] = frozenset()):
@@ -124,7 +124,7 @@ def test_aborts_rejections_and_cache_events(engine):
 
 def test_preemptions_are_counted_as_deltas(tiny_model):
     # a cache of 6 usable blocks x 16 tokens cannot hold three 40-token sequences at once
-    engine = LLMEngine(from_sources(EngineConfig, env={}, model=tiny_model, num_threads=1, num_blocks=7, max_num_batched_tokens=128))
+    engine = LLMEngine(from_sources(EngineConfig, env={}, dtype="float32", model=tiny_model, num_threads=1, num_blocks=7, max_num_batched_tokens=128))
     metrics = ServerMetrics(engine.get_stats)
     params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)] * 3
     reqs = run(engine, metrics, [[50 + i] * 16 for i in range(3)], params)

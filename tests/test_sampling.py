@@ -121,7 +121,7 @@ def test_invalid_values_raise_typed_errors(kwargs, param):
 
 
 def test_engine_logprobs_and_eos(tiny_model):
-    llm = LLM(tiny_model)
+    llm = LLM(tiny_model, dtype="float32")
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, logprobs=20, ignore_eos=True))[0]
     assert len(out.logprobs) == 8 and all(len(x.top) == 20 for x in out.logprobs)
     assert all(x.token_id == x.top[0][0] for x in out.logprobs)  # greedy picks the best

@@ -93,7 +93,7 @@ def repetitive_prompts(rng: random.Random) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     with torch_threads_restored():
-        base, spec = LLM(tiny_model, num_threads=1), LLM(tiny_model, num_threads=1, **SPEC)
+        base, spec = LLM(tiny_model, dtype="float32", num_threads=1), LLM(tiny_model, dtype="float32", num_threads=1, **SPEC)
         yield base, spec
         base.close()
         spec.close()
@@ -163,7 +163,7 @@ def test_sampled_tokens_follow_the_target_distribution(vocab16_model):
     from transformers import AutoModelForCausalLM
 
     n = 3000
-    with torch_threads_restored(), LLM(vocab16_model, num_threads=1, max_num_seqs=256, **(SPEC | {"speculative_max_batch": 1024})) as llm:
+    with torch_threads_restored(), LLM(vocab16_model, dtype="float32", num_threads=1, max_num_seqs=256, **(SPEC | {"speculative_max_batch": 1024})) as llm:
         # the model's own greedy path after every token: a one-token suffix always finds drafts,
         # and they are the likeliest continuation
         greedy = llm.generate([list(range(16))], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[0].token_ids
@@ -187,7 +187,7 @@ def test_sampled_tokens_follow_the_target_distribution(vocab16_model):
 
 
 def test_no_block_used_and_no_rejected_token_cached_after_aborts_and_preemptions(tiny_model):
-    config = from_sources(EngineConfig, env={}, model=tiny_model, num_threads=1, num_blocks=24, block_size=4,
+    config = from_sources(EngineConfig, env={}, dtype="float32", model=tiny_model, num_threads=1, num_blocks=24, block_size=4,
                           max_num_seqs=8, **SPEC)
     rng = random.Random(5)
     with torch_threads_restored(), LLMEngine(config) as engine:
@@ -237,7 +237,8 @@ def test_greedy_output_is_identical_on_smollm2():
                "the shutters of the shop on the square, and the first bus of the day turned round by the bridge.")
     tasks = ["Repeat this text exactly:", "Copy this text, replacing 'town' with 'village':",
              "Put each sentence of this text on its own line:", "Repeat this text in capital letters:"]
-    with torch_threads_restored(), LLM(None, max_num_seqs=16) as base, LLM(None, max_num_seqs=16, **SPEC) as spec:
+    with torch_threads_restored(), LLM(None, dtype="float32", compile="none", max_num_seqs=16) as base, \
+            LLM(None, dtype="float32", compile="none", max_num_seqs=16, **SPEC) as spec:
         tok = base.engine.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": f"{tasks[i % 4]}\n\n{passage}"}], True) for i in range(16)]
         params = [SamplingParams(max_tokens=20 + 5 * i, temperature=0, stop=["gravel"] if i % 4 == 1 else []) for i in range(16)]

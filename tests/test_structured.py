@@ -79,8 +79,8 @@ def test_matchers_survive_preemption_and_chunked_prefill(tiny_model):
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(40, 100))] for _ in range(8)]
     digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 30, "maxItems": 30}
     params = [sampled(i, StructuredOutputsParams(json=digits), max_tokens=120) for i in range(len(prompts))]
-    roomy = [o.text for o in LLM(tiny_model, num_threads=1).generate(prompts, params)]
-    cramped = LLM(tiny_model, num_threads=1, num_blocks=30, block_size=8, max_num_batched_tokens=32)
+    roomy = [o.text for o in LLM(tiny_model, dtype="float32", num_threads=1).generate(prompts, params)]
+    cramped = LLM(tiny_model, dtype="float32", num_threads=1, num_blocks=30, block_size=8, max_num_batched_tokens=32)
     got = [o.text for o in cramped.generate(prompts, params)]
     assert cramped.get_stats().num_preemptions > 0
     assert got == roomy

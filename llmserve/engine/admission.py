@@ -4,7 +4,7 @@ validated EngineCoreRequest. The checks live here once, so the server refuses a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmserve.errors import InvalidRequestError, PromptTooLongError
 from llmserve.sampling import SamplingParams
@@ -21,6 +21,7 @@ class EngineInfo:
     num_kv_blocks: int  # usable KV blocks (the null block excluded)
     eos_token_ids: tuple[int, ...]
     pid: int  # of the process that runs the engine
+    execution_plan: dict[str, dict[str, str]] = field(default_factory=dict)  # ExecutionPlan.as_dict()
 
 
 @dataclass(slots=True)

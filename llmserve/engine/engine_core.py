@@ -25,15 +25,16 @@ from llmserve.engine.request import Request, RequestStatus, Timeline
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.engine.spec_decode import NgramProposer, SpecConfig
 from llmserve.memory import memory_stats
-from llmserve.model.compile import check_tensorrt, choose_mode
+from llmserve.model.compile import check_tensorrt
+from llmserve.model.config import ModelConfig
 from llmserve.model.loader import fingerprint, load_model
+from llmserve.plan import plan_for
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
 from llmserve.structured import COMPILE_TIMEOUT_S, GrammarCompiler, grammar_of
 from llmserve.tokenizer import Tokenizer, eos_token_ids, read_generation_config
 
 logger = logging.getLogger("llmserve.engine")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLMEngine:
@@ -45,18 +46,22 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         keep_large_allocations()
         bound_onednn_caches()
-        self.dtype = DTYPES[config.dtype]
-        self.compile = choose_mode(config.compile, self.dtype, config.quantize)  # before the (slow) model load
-        if self.compile == "tensorrt":
-            check_tensorrt()
         self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
+        # decided before the (slow) model load, so a refusal comes at once
+        self.plan = plan_for(config, self.model_config)
+        logger.info("%s", self.plan.describe())
+        if self.plan.compile.value == "tensorrt":
+            check_tensorrt()
+        self.dtype, self.kv_dtype = self.plan.torch_dtype, self.plan.kv_torch_dtype
         self.model = load_model(self.model_dir, self.dtype, config.quantize)
-        self.model_config = self.model.config
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
         self.max_model_len = min(config.max_model_len or 1 << 30, self.model_config.max_position_embeddings)
-        self.fingerprint = f"{fingerprint(self.model_dir)}-{config.dtype}-{config.quantize or 'none'}"
+        dtype, kv_dtype = self.plan.dtype.value, self.plan.kv_cache_dtype.value
+        kv = "" if kv_dtype == dtype else f"-kv-{kv_dtype}"  # outputs and KV blocks differ with the cache's dtype
+        self.fingerprint = f"{fingerprint(self.model_dir)}-{dtype}-{config.quantize or 'none'}{kv}"
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
@@ -64,12 +69,12 @@ class LLMEngine:
         )
         self.proposer = self._proposer(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, config.seed)
-        self.runner.setup_execution(self.compile, config.attention_backend)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, config.seed)
+        self.runner.setup_execution(self.plan)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
             self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,
-            config.block_size, self.kv.pool.num_usable, tuple(self.eos_token_ids), os.getpid(),
+            config.block_size, self.kv.pool.num_usable, tuple(self.eos_token_ids), os.getpid(), self.plan.as_dict(),
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
@@ -103,7 +108,7 @@ class LLMEngine:
         c = self.model_config
         shape = (c.num_hidden_layers, 2, config.block_size, c.num_key_value_heads, c.head_dim)
         namespace = self.kv.namespace.replace(":", "-")
-        store = RedisKVStore(config.redis_url, namespace, shape, self.dtype, timeout_s=config.redis_timeout)
+        store = RedisKVStore(config.redis_url, namespace, shape, self.kv_dtype, timeout_s=config.redis_timeout)
         self.kv.tier = KVTier(store, self.runner.kv_caches)
         return store
 
@@ -122,12 +127,12 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         c = self.config
-        per_block = kv_bytes_per_block(self.model, c.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
         useful = c.max_num_seqs * -(-self.max_model_len // c.block_size)  # enough for every slot full
         n = c.num_blocks or max(2, min(c.kv_cache_memory // per_block, useful + 1))
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
-            n - 1, c.block_size, (n - 1) * c.block_size, n * per_block / 2**20, c.dtype,
+            n - 1, c.block_size, (n - 1) * c.block_size, n * per_block / 2**20, self.plan.kv_cache_dtype.value,
         )
         return n
 

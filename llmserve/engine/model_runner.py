@@ -23,8 +23,10 @@ from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionMetadata, PrefillSeq
 from llmserve.model.compile import StepGraph
+from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.packed import pack_linears
+from llmserve.plan import ExecutionPlan
 
 logger = logging.getLogger("llmserve.engine")
 
@@ -54,36 +56,37 @@ class RunnerOutput:
     sample_s: float = 0.0
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    c = model.config
+def kv_bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, seed: int = 0):
         c = model.config
         self.model = model
         self.block_size = block_size
-        self.dtype = dtype
+        self.kv_dtype = kv_dtype
         # torch.zeros writes every page now, so the whole cache is resident from start-up. A lazily
         # mapped cache (calloc) halved start-up RSS but cost about 30% of serving throughput at 32
         # streams: every fresh block then pays first-touch page faults on the step that writes it.
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=dtype)
+            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype)
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
-        self.step_graph: StepGraph | None = None  # set by setup_execution("inductor")
+        self.step_graph: StepGraph | None = None  # set by setup_execution for --compile inductor
 
-    def setup_execution(self, compile: str, attention_backend: str = "auto") -> None:
-        """Attention: the native kernels when `auto` and they build here, else pure torch. Linear
-        weights are packed for oneDNN (int8 layers are left alone); `--compile inductor` then
-        compiles the step graph over those same packed weights. tensorrt is refused before the
-        model loads."""
-        self.model.use_native_attention(attention_backend == "auto" and kernels.load())
-        logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, self.dtype))
-        if compile == "inductor":
+    def setup_execution(self, plan: ExecutionPlan) -> None:
+        """Carry out the plan: the attention backend (and the native kernel's ISA variant), linear
+        weights packed for oneDNN (int8 layers are left alone), and with `inductor` the step graph
+        compiled over those same packed weights. tensorrt is refused before the model loads."""
+        if plan.native:
+            kernels.select_isa(plan.cpu_isa.value)
+        self.model.use_native_attention(plan.native)
+        if plan.linear_backend.value == "onednn-packed":
+            logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, plan.torch_dtype, plan.native))
+        if plan.compile.value == "inductor":
             graph = StepGraph(self.model)
             logger.info("compiled step graph ready in %.1f s", graph.warm_up(self.kv_caches))
             self.step_graph = graph

@@ -1,21 +1,22 @@
-"""Native CPU kernels, compiled once per machine and loaded as torch ops (torch.ops.llmserve.*).
+"""Native CPU kernels, built once per machine and loaded as torch ops (torch.ops.llmserve.*).
 
-The C++ sources live next to this file. `load()` builds them with the system C++ compiler
-against the installed torch (-O3 -march=native), caches the shared library under
-$LLMSERVE_KERNEL_CACHE (default: llmserve.paths.cache_dir("kernels"), ~/.cache/llmserve/kernels) keyed by a hash of the sources, torch
-version, compiler flags and this CPU's feature flags, and loads it. Concurrent processes build
-under a file lock. Where no compiler is available the engine falls back to pure-torch attention
-and says so once in the log; LLMSERVE_KERNELS=0 forces that fallback.
+The C++ sources live next to this file. `load()` builds them with torch.utils.cpp_extension (ninja
+compiles the files in parallel and rebuilds only what changed, headers included, against the
+installed torch's headers and ABI flags) into $LLMSERVE_KERNEL_CACHE (default:
+llmserve.paths.cache_dir("kernels"), ~/.cache/llmserve/kernels), one folder per torch version.
+
+One library serves every x86-64 CPU: the decode-attention kernel is compiled once per ISA (AVX2 +
+FMA, AVX-512) under per-file target pragmas, with no -march flag, and the ISA is chosen at run
+time (select_isa, from the execution plan). Where no compiler or ninja is available, load() says
+False and logs why once; the execution plan then runs pure-torch attention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -24,86 +25,67 @@ import torch
 from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.cpp", "cache_write.cpp", "packed_linear.cpp"))
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
-BUILD_TIMEOUT_S = 600
+NAMES = ("paged_attention.cpp", "decode_avx2.cpp", "decode_avx512.cpp", "cache_write.cpp", "packed_linear.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
+CFLAGS = ("-O3",)  # no -march: each ISA variant names its own target
 
 
-def cpu_flags() -> str:
+def build_directory() -> Path:
+    root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or cache_dir("kernels"))
+    return root / f"torch-{torch.__version__}"
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """cpp_extension runs `ninja` from PATH; the pip package's binary is not there when the venv
+    is not activated (e.g. `.venv/bin/python -m pytest`)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((ln for ln in lines if ln.startswith(("flags", "Features"))), "")
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "g++"
-
-
-def _compiler_version(cxx: str) -> str:
+        import ninja
+    except ImportError:
+        yield
+        return
+    before = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, before])
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        yield
+    finally:
+        os.environ["PATH"] = before
 
 
-def _compile_command(out: Path) -> list[str]:
+def _build_and_load(where: Path) -> None:
     from torch.utils import cpp_extension
 
-    cxx = _compiler()
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    rpath = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [cxx, *FLAGS, abi, *includes, *map(str, SOURCES), *libs, *rpath, "-lc10", "-ltorch_cpu", "-o", str(out)]
-
-
-def _library_path() -> Path:
-    h = hashlib.sha256()
-    for src in SOURCES:
-        h.update(src.read_bytes())
-    h.update(" ".join((torch.__version__, str(torch.version.git_version), *FLAGS, cpu_flags())).encode())
-    h.update(_compiler_version(_compiler()).encode())
-    root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or cache_dir("kernels"))
-    return root / f"llmserve_kernels-{h.hexdigest()[:16]}.so"
-
-
-def _build(lib: Path) -> None:
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with open(lib.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same library
-        if lib.exists():
-            return
-        tmp = lib.with_suffix(f".tmp{os.getpid()}.so")
-        logger.info("building native kernels (once per machine): %s", lib.name)
-        proc = subprocess.run(_compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(proc.stderr.strip()[-2000:] or f"compiler exited with {proc.returncode}")
-        tmp.replace(lib)
+    where.mkdir(parents=True, exist_ok=True)
+    # cpp_extension's own lock is a file that a killed build leaves behind, and every later load
+    # would wait on it forever; a flock dies with its process. Whoever holds ours may clear theirs.
+    with open(where / "llmserve.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (where / "lock").unlink(missing_ok=True)
+        logger.info("building native kernels if needed (once per machine): %s", where)
+        with _ninja_on_path():
+            cpp_extension.load("llmserve_kernels", [str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                               build_directory=str(where), is_python_module=False, verbose=False)
 
 
 @cache
 def load() -> bool:
-    """True when torch.ops.llmserve.paged_decode_attention is usable in this process."""
-    if os.environ.get("LLMSERVE_KERNELS", "1") == "0":
-        return False
+    """True when the torch.ops.llmserve.* native kernels are usable in this process."""
     try:
-        lib = _library_path()
-        if not lib.exists():
-            _build(lib)
-        try:
-            torch.ops.load_library(str(lib))
-        except OSError:  # a damaged cached file: build it again, once
-            lib.unlink(missing_ok=True)
-            _build(lib)
-            torch.ops.load_library(str(lib))
+        _build_and_load(build_directory())
         _register_fake()
-    except Exception as e:  # no compiler, no headers, a read-only home: run without the kernels
-        logger.warning("native kernels unavailable, using pure-torch attention (slower): %s", e)
+    except Exception as e:  # no compiler or ninja, no headers, a read-only home: run without the kernels
+        logger.warning("native kernels unavailable, using pure-torch attention (slower): %s", str(e)[-2000:])
         return False
     return True
+
+
+def select_isa(isa: str) -> None:
+    """The decode kernel's ISA variant from now on in this process: avx512, avx2 or portable."""
+    torch.ops.llmserve.select_cpu_isa(isa)
+
+
+def selected_isa() -> str:
+    return torch.ops.llmserve.cpu_isa()
 
 
 def _register_fake() -> None:

@@ -11,7 +11,9 @@ Decode attention has two backends with one contract: the native kernel
 (torch.ops.llmserve.paged_decode_attention, llmserve/kernels), which reads K/V straight from the
 blocks, and a pure-torch path that gathers each sequence's blocks first. The cache write likewise:
 the native reshape_and_cache (one memcpy a row) or write_kv_cache (index_copy_). The engine picks
-one at start-up with LlamaForCausalLM.use_native_attention(); the choice belongs to that model.
+one at start-up with LlamaForCausalLM.use_native_attention(), as the execution plan says (llmserve.plan).
+The cache may hold another dtype than q (--kv-cache-dtype): K/V are converted as they are written
+and read.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, native: 
     meta.prepare_decode_bias(k_cache.shape[1])  # built by the first layer, shared by the rest
     d, heads, hd = q.shape
     kvh = k_cache.shape[2]
-    keys, vals = _gather(k_cache, meta.decode_block_tables), _gather(v_cache, meta.decode_block_tables)
+    keys = _gather(k_cache, meta.decode_block_tables).to(q.dtype)  # the cache's dtype may differ (--kv-cache-dtype)
+    vals = _gather(v_cache, meta.decode_block_tables).to(q.dtype)
     if q.dtype == torch.float32:  # the CPU flash kernel is the fastest fp32 path
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=meta.decode_bias,

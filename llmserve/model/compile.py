@@ -1,4 +1,4 @@
-"""Compiled execution: `--compile none | inductor | auto | tensorrt`.
+"""Compiled execution: `--compile none | inductor | auto | tensorrt` (llmserve.plan resolves auto).
 
 inductor: every step runs one torch.compile'd graph (StepGraph), from token ids to the fp32 logits
 of the rows that sample, whatever its mix of decode rows and prefill chunks. The token count, the
@@ -32,9 +32,7 @@ import time
 import torch
 
 from llmserve.errors import LLMServeError
-from llmserve.kernels import cpu_flags
 from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
-from llmserve.model.packed import use_native_linear
 from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.compile")
@@ -60,27 +58,6 @@ def check_tensorrt() -> None:
         "--compile tensorrt: CUDA and torch_tensorrt are present, but llmserve's engine runs on the CPU "
         "in this release; use --compile inductor"
     )
-
-
-def choose_mode(requested: str, dtype: torch.dtype, quantize: str | None) -> str:
-    """The execution mode to run; `auto` picks, and says in one log line which and why."""
-    if requested == "inductor" and quantize:
-        raise CompileUnavailableError(
-            f"--compile inductor does not support --quantize {quantize} in this release "
-            "(int8 layers run eager); use --compile none with --quantize, or drop --quantize")
-    if requested != "auto":
-        return requested
-    bf16_cpu = "avx512_bf16" in cpu_flags().split()
-    if quantize:
-        mode, why = "none", f"--quantize {quantize} runs eager"
-    elif dtype != torch.bfloat16:
-        mode, why = "none", f"{str(dtype).removeprefix('torch.')}: compiled steps measured no faster than eager"
-    elif not bf16_cpu:
-        mode, why = "none", "this CPU lacks AVX-512 BF16, where compiled bfloat16 decode was measured to win"
-    else:
-        mode, why = "inductor", "bfloat16 on an AVX-512 BF16 CPU: compiled steps measured faster than eager"
-    logger.info("--compile auto chose %s: %s", mode, why)
-    return mode
 
 
 def configure_inductor() -> None:
@@ -117,7 +94,6 @@ class StepGraph:
 
     def __init__(self, model: torch.nn.Module):
         configure_inductor()
-        use_native_linear()
         self.model = model
         options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
         self.fn = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)

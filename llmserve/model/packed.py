@@ -9,8 +9,8 @@ and skipped, with a log line, where this torch build or CPU cannot do it.
 
 Compiled graphs call the same packed weights through llmserve::onednn_linear(x, handle), a native
 op (llmserve/kernels) that saves a Python call per layer, or llmserve::packed_linear where the
-native kernels are unavailable. The handle names an entry of a process-wide table (kept in
-Python, and mirrored in the native op's own table once it is in use), so the weight never enters
+execution plan runs without the native kernels. The handle names an entry of a process-wide table
+(kept in Python, and mirrored in the native op's own table for native layers), so the weight never enters
 the graph. (As a graph constant, an opaque oneDNN tensor needs inductor's freezing and cannot be
 pickled, which turns off inductor's on-disk cache; an int handle keeps the graph small and
 cacheable, and eager and compiled share one copy of the weights.)
@@ -18,6 +18,7 @@ cacheable, and eager and compiled share one copy of the weights.)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
@@ -26,49 +27,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve import kernels
 from llmserve.model.quantize import linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
 _PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # handle -> (packed weight, bias)
 _HANDLES = itertools.count()
-_native = False  # the native table mirrors _PACKED (set before the first compiled trace)
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    """native: compiled graphs call llmserve::onednn_linear (the native kernels are loaded)."""
+
+    def __init__(self, linear: nn.Linear, native: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # an opaque oneDNN tensor: not a parameter or buffer, so it never enters a state dict
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        self.handle = next(_HANDLES)
+        self.handle, self.native = next(_HANDLES), native
         _PACKED[self.handle] = (packed, linear.bias)
-        if _native:
+        if native:
+            _register_native_shape()
             torch.ops.llmserve.packed_register(self.handle, packed, linear.bias)
-        weakref.finalize(self, _release, self.handle)
+        weakref.finalize(self, _release, self.handle, native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if torch.compiler.is_compiling():
-            op = torch.ops.llmserve.onednn_linear if _native else torch.ops.llmserve.packed_linear
+            op = torch.ops.llmserve.onednn_linear if self.native else torch.ops.llmserve.packed_linear
             return op(x, self.handle)
         return packed_linear(x, self.handle)
 
 
-def use_native_linear() -> bool:
-    """Before tracing: compiled graphs call the native op from now on, where the kernels load."""
-    global _native
-    if not _native and kernels.load():
-        torch.library.register_fake("llmserve::onednn_linear")(_packed_linear_shape)
-        for handle, (weight, bias) in list(_PACKED.items()):
-            torch.ops.llmserve.packed_register(handle, weight, bias)
-        _native = True
-    return _native
+@functools.cache
+def _register_native_shape() -> None:
+    torch.library.register_fake("llmserve::onednn_linear")(_packed_linear_shape)
 
 
-def _release(handle: int) -> None:
+def _release(handle: int, native: bool) -> None:
     _PACKED.pop(handle, None)
-    if _native:
+    if native:
         torch.ops.llmserve.packed_release(handle)
 
 
@@ -87,7 +83,11 @@ _LIB.impl("packed_linear", packed_linear, "CPU")
 _LIB.impl("packed_linear", _packed_linear_shape, "Meta")
 
 
-def _packs_correctly(dtype: torch.dtype) -> bool:
+@functools.cache
+def packs_correctly(dtype: torch.dtype) -> bool:
+    """oneDNN packs `dtype` weights here, and a packed layer equals F.linear on a probe input."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
     g = torch.Generator().manual_seed(0)
     probe = nn.Linear(64, 48, bias=True).to(dtype)
     x = torch.randn(5, 64, generator=g).to(dtype)
@@ -102,16 +102,15 @@ def _packs_correctly(dtype: torch.dtype) -> bool:
     return bool(torch.allclose(got.float(), want.float(), atol=tol, rtol=tol))
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Swap every nn.Linear for a PackedLinear in place; returns how many were packed (0: none)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return 0
-    if not _packs_correctly(dtype):
+def pack_linears(model: nn.Module, dtype: torch.dtype, native: bool = False) -> int:
+    """Swap every nn.Linear for a PackedLinear in place (native: see PackedLinear); returns how
+    many were packed (0: none, where packs_correctly(dtype) is False)."""
+    if not packs_correctly(dtype):
         return 0
     layers = linear_layers(model)
     with torch.inference_mode():
         for parent, attr, _, layer in layers:
-            setattr(parent, attr, PackedLinear(layer))
+            setattr(parent, attr, PackedLinear(layer, native))
     # What stays dense (embeddings, norms, biases) may still sit on the checkpoint's memory map,
     # which keeps every page read from it resident; own copies let the map go.
     for p in model.parameters():

@@ -47,6 +47,7 @@ async def server_info(request: Request) -> Response:
         **settings, "model_path": info.model_dir, "served_model_name": info.model_name, "dp_size": 1, "version": __version__,
         "max_total_num_tokens": info.num_kv_blocks * info.block_size, "max_running_requests": ctx.client.config.max_num_seqs,
         "max_prefill_tokens": ctx.client.config.max_num_batched_tokens, "max_model_len": info.max_model_len,
+        "execution_plan": info.execution_plan,
         "internal_states": [dataclasses.asdict(s) for s in _engines(ctx)],
     })
 

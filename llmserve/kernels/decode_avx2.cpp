@@ -1,0 +1,39 @@
+// The AVX2 + FMA variant of the decode-attention kernel (decode_kernel.h over 8-lane vectors).
+// Only this file is built for AVX2; the glue calls it only on a CPU that has AVX2 and FMA.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "decode.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+#define LLMSERVE_AVX2
+using llmserve::DecodeFn;
+using llmserve::DecodeGeom;
+using llmserve::DecodeItem;
+using llmserve::KvType;
+#include "vec.h"
+#include "decode_kernel.h"
+}  // namespace
+
+namespace llmserve {
+
+// head_dim 16, 32, 64 or 128 (Llama-style models use 64 or 128); others take the portable loop
+DecodeFn pick_avx2(KvType kv, int64_t hd) {
+  switch (hd) {
+    case 16: return fma_variant<2>(kv);
+    case 32: return fma_variant<4>(kv);
+    case 64: return fma_variant<8>(kv);
+    case 128: return fma_variant<16>(kv);
+    default: return nullptr;
+  }
+}
+
+}  // namespace llmserve
+
+#pragma GCC pop_options

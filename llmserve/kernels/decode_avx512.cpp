@@ -1,0 +1,68 @@
+// The AVX-512 variant of the decode-attention kernel (decode_kernel.h over 16-lane vectors), and
+// its bf16 x bf16 scores from the AVX512-BF16 dot product where the CPU has it. Only this file is
+// built for AVX-512; the glue calls it only on a CPU with AVX-512 F, BW, VL and DQ, and the
+// dot-product variant only where the CPU has AVX512-BF16 too.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "decode.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+
+namespace {
+#define LLMSERVE_AVX512
+using llmserve::DecodeFn;
+using llmserve::DecodeGeom;
+using llmserve::DecodeItem;
+using llmserve::KvType;
+#include "vec.h"
+#include "decode_kernel.h"
+
+// bf16 queries against bf16 rows: bf16 x bf16 products are exact in fp32, so only the summation
+// order differs from the fp32 path; the scale is applied to the sums. q [g, hd] raw bf16.
+template <int NV>
+struct Bf16Dot {
+  const uint16_t* q;
+  inline Vec operator()(int64_t j, const uint16_t* row) const {
+    const uint16_t* qj = q + j * NV * 16;
+    __m512 part = _mm512_setzero_ps();
+    for (int c = 0; c < NV / 2; ++c)
+      part = _mm512_dpbf16_ps(part, (__m512bh)_mm512_loadu_si512(qj + c * 32), (__m512bh)_mm512_loadu_si512(row + c * 32));
+    return {part};
+  }
+};
+
+template <int NV>
+void run_dpbf16(const DecodeItem& it, const DecodeGeom& geo) {
+  const int64_t n = geo.g * NV * 16;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(it.scratch);
+  for (int64_t i = 0; i < n; ++i) {  // the queries are bf16 values: their top 16 bits are exact
+    uint32_t bits;
+    std::memcpy(&bits, it.q + i, sizeof(bits));
+    qb[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  attend<uint16_t, NV>(it, geo, Bf16Dot<NV>{qb}, geo.scale, it.scratch + n);
+}
+}  // namespace
+
+namespace llmserve {
+
+DecodeFn pick_avx512(KvType kv, bool q_bf16, bool dpbf16, int64_t hd) {
+  const bool dp = kv == KvType::kBFloat16 && q_bf16 && dpbf16;
+  switch (hd) {
+    case 16: return fma_variant<1>(kv);  // one vector: no bf16 pairs to spare
+    case 32: return dp ? &run_dpbf16<2> : fma_variant<2>(kv);
+    case 64: return dp ? &run_dpbf16<4> : fma_variant<4>(kv);
+    case 128: return dp ? &run_dpbf16<8> : fma_variant<8>(kv);
+    default: return nullptr;
+  }
+}
+
+}  // namespace llmserve
+
+#pragma GCC pop_options

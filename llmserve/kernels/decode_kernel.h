@@ -1,0 +1,124 @@
+// The decode-attention kernel, written once over Vec (vec.h) and compiled once per ISA. Included
+// by decode_avx2.cpp and decode_avx512.cpp inside their pragma region and anonymous namespace.
+//
+// One work item (decode.h): the g query heads of one KV head over a range of blocks.
+//   1. scores[j, t] = scale * q_j . k_t, W tokens at a time: each token's products with a query
+//      head are summed into one register of partial sums, and vreduce_rows turns W of them into
+//      W scores at once. A block's K rows (block_size x hd) stay in L1 while every query head reads
+//      them, so no more than W + the query chunk need registers (AVX2 has 16).
+//   2. m_j = max_t scores, p = exp(scores - m_j), l_j = sum_t p.
+//   3. acc_j += p[j, t] * v_t, block by block: the block's V rows stay in L1 across query heads,
+//      and at most 8 accumulators are live at once (head_dim 128 on AVX2 is two passes of 8).
+// Blocks kAhead ahead are prefetched into L2: rows are strided (one head's slice of each token)
+// and blocks are scattered, which the hardware prefetcher does not foresee.
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+constexpr int64_t kAhead = 6;
+
+template <typename T>
+inline void prefetch_block(const T* rows, int64_t block_size, int64_t kv_stride, int64_t hd) {
+  for (int64_t t = 0; t < block_size; ++t)
+    for (int64_t off = 0; off < hd * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + t * kv_stride) + off, _MM_HINT_T1);
+}
+
+// q_j . row as W partial sums; q pre-scaled fp32 [g, hd]
+template <typename T, int NV>
+struct FmaDot {
+  const float* q;
+  inline Vec operator()(int64_t j, const T* row) const {
+    const float* qj = q + j * NV * Vec::W;
+    Vec part = vzero();
+    for (int c = 0; c < NV; ++c) part = vfma(vload(qj + c * Vec::W), vload(row + c * Vec::W), part);
+    return part;
+  }
+};
+
+template <typename T, int NV, typename Dot>
+void attend(const DecodeItem& it, const DecodeGeom& geo, const Dot& dot, float post, float* scores) {
+  constexpr int W = Vec::W;
+  constexpr int64_t hd = NV * W;
+  constexpr int CH = NV < 8 ? NV : 8;  // accumulators live at once in step 3
+  const int64_t g = geo.g, bs = geo.block_size, ks = geo.kv_stride, bstride = geo.block_stride;
+  const T* kbase = static_cast<const T*>(it.k);
+  const T* vbase = static_cast<const T*>(it.v);
+  const int64_t t0 = it.first_block * bs, n_tok = imin(it.end_block * bs, it.len) - t0;
+  const int64_t pitch = (n_tok + W - 1) / W * W + 32;  // a row of scores, with room for full-width stores
+  float* acc = it.partial;  // [g, hd]
+  float* m = acc + g * hd;
+  float* l = m + g;
+  for (int64_t i = 0; i < g * hd; i += W) vstore(acc + i, vzero());
+  if (n_tok <= 0) {
+    for (int64_t j = 0; j < g; ++j) m[j] = -INFINITY, l[j] = 0.f;
+    return;
+  }
+
+  // 1. scores
+  for (int64_t b = it.first_block; b < imin(it.first_block + kAhead, it.end_block); ++b)
+    prefetch_block(kbase + it.table[b] * bstride, bs, ks, hd);
+  for (int64_t b = it.first_block; b < it.end_block; ++b) {
+    const int64_t base = b * bs - t0, n = imin(bs, it.len - b * bs);
+    const T* k = kbase + it.table[b] * bstride;
+    if (b + kAhead < it.end_block) prefetch_block(kbase + it.table[b + kAhead] * bstride, bs, ks, hd);
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t s0 = 0; s0 < n; s0 += W) {
+        const int64_t cnt = imin(W, n - s0);
+        Vec part[W];
+        for (int t = 0; t < W; ++t) part[t] = t < cnt ? dot(j, k + (s0 + t) * ks) : vzero();
+        vstore(scores + j * pitch + base + s0, vmul(vreduce_rows(part), vset(post)));
+      }
+  }
+  for (int64_t b = it.first_block; b < imin(it.first_block + kAhead, it.end_block); ++b)
+    prefetch_block(vbase + it.table[b] * bstride, bs, ks, hd);  // V's first blocks arrive during step 2
+
+  // 2. softmax numerators
+  for (int64_t j = 0; j < g; ++j) {
+    float* s = scores + j * pitch;
+    Vec mv = vset(-INFINITY);
+    for (int64_t i = 0; i < n_tok; i += W) mv = vmax(mv, vfirst(vload(s + i), static_cast<int>(imin(W, n_tok - i)), -INFINITY));
+    const Vec mj = vset(m[j] = vmaxof(mv));
+    Vec sum = vzero();
+    for (int64_t i = 0; i < n_tok; i += W) {
+      const Vec e = vfirst(vexp(vsub(vload(s + i), mj)), static_cast<int>(imin(W, n_tok - i)), 0.f);
+      vstore(s + i, e);
+      sum = vadd(sum, e);
+    }
+    l[j] = vsum(sum);
+  }
+
+  // 3. weighted sum of V
+  for (int64_t b = it.first_block; b < it.end_block; ++b) {
+    const int64_t base = b * bs - t0, n = imin(bs, it.len - b * bs);
+    const T* v = vbase + it.table[b] * bstride;
+    if (b + kAhead < it.end_block) prefetch_block(vbase + it.table[b + kAhead] * bstride, bs, ks, hd);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* p = scores + j * pitch + base;
+      float* a = acc + j * hd;
+      for (int c0 = 0; c0 < NV; c0 += CH) {
+        Vec r[CH];
+        for (int c = 0; c < CH; ++c) r[c] = vload(a + (c0 + c) * W);
+        for (int64_t t = 0; t < n; ++t) {
+          const Vec pt = vset(p[t]);
+          const T* row = v + t * ks + c0 * W;
+          for (int c = 0; c < CH; ++c) r[c] = vfma(pt, vload(row + c * W), r[c]);
+        }
+        for (int c = 0; c < CH; ++c) vstore(a + (c0 + c) * W, r[c]);
+      }
+    }
+  }
+}
+
+// fp32 queries, pre-scaled into the scratch; T = float or uint16_t (bf16 bits)
+template <typename T, int NV>
+void run_fma(const DecodeItem& it, const DecodeGeom& geo) {
+  const int64_t n = geo.g * NV * Vec::W;
+  float* qs = it.scratch;
+  for (int64_t i = 0; i < n; ++i) qs[i] = it.q[i] * geo.scale;
+  attend<T, NV>(it, geo, FmaDot<T, NV>{qs}, 1.f, qs + n);
+}
+
+template <int NV>
+DecodeFn fma_variant(KvType kv) {
+  return kv == KvType::kFloat ? &run_fma<float, NV> : &run_fma<uint16_t, NV>;
+}

@@ -1,0 +1,265 @@
+"""The execution plan: what runs how on this machine, decided once at start-up.
+
+One frozen record holds every choice that depends on the machine: the CPU features, the dtype of
+weights and activations, the KV-cache dtype, the compile mode, the attention backend (and its ISA
+variant), and the linear backend, each with the reason it was chosen. LLMEngine builds it before
+the model loads, logs it as one block, passes it down (ModelRunner.setup_execution), and reports
+it in /get_server_info and `llmserve profile`. No module global decides any of this later.
+
+Rules (`auto` everywhere):
+- dtype: bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX), float32 elsewhere,
+  where bf16 matmuls are hundreds of times slower. An explicit bfloat16 there runs, with a warning.
+- kv_cache_dtype: the weights' dtype, except where float32 was picked for a CPU without native
+  bf16: there a bf16 cache halves the bytes decode attention reads, and the faster of the two is
+  measured once per machine and model shape (cached beside the kernels). An explicit float32
+  asks for float32 numerics, so its cache stays float32.
+- compile: inductor where it measured faster (bf16 on native-bf16 CPUs, float32 on AVX2 and
+  AVX-512), except for int8 layers (eager) and models too small for a compile to pay back.
+- attention: the native kernels where they build, in the widest ISA variant the CPU runs
+  (LLMSERVE_CPU_ISA=avx2|portable forces a narrower one); pure torch otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from llmserve.errors import InvalidRequestError
+
+logger = logging.getLogger("llmserve.plan")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ISAS = ("avx512", "avx2", "portable")  # widest first
+ISA_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": ("avx2", "fma"), "portable": ()}
+MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
+
+
+@dataclass(frozen=True, slots=True)
+class CpuInfo:
+    model_name: str
+    flags: frozenset[str]
+    num_cores: int
+
+    @classmethod
+    def detect(cls) -> CpuInfo:
+        try:
+            lines = Path("/proc/cpuinfo").read_text().splitlines()
+        except OSError:
+            lines = []
+
+        def field(*names: str) -> str:
+            return next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() in names), "")
+
+        return cls(field("model name") or "unknown CPU", frozenset(field("flags", "Features").split()), os.cpu_count() or 1)
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def isas(self) -> tuple[str, ...]:
+        """The kernel ISA variants this CPU runs, widest first."""
+        return tuple(isa for isa in ISAS if all(f in self.flags for f in ISA_FLAGS[isa]))
+
+    def describe(self) -> str:
+        extras = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in self.flags) or "no native bf16"
+        return f"{self.model_name}, {self.num_cores} cores, {self.isas[0]} ({extras})"
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionPlan:
+    device: Choice
+    dtype: Choice  # float32 | bfloat16
+    kv_cache_dtype: Choice  # float32 | bfloat16
+    compile: Choice  # none | inductor | tensorrt
+    attention_backend: Choice  # native | torch
+    cpu_isa: Choice  # the native decode kernel's variant: avx512 | avx2 | portable (or none)
+    linear_backend: Choice  # onednn-packed | int8 | dense
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype.value]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_cache_dtype.value]
+
+    @property
+    def native(self) -> bool:
+        return self.attention_backend.value == "native"
+
+    def as_dict(self) -> dict[str, dict[str, str]]:
+        return {name: asdict(choice) for name, choice in zip(self.__slots__, self._choices(), strict=True)}
+
+    def describe(self) -> str:
+        """One block for the log and the profile's header."""
+        width = max(map(len, self.__slots__))
+        return "execution plan:\n" + "\n".join(
+            f"  {name:<{width}}  {c.value:<13} {c.reason}" for name, c in zip(self.__slots__, self._choices(), strict=True))
+
+    def _choices(self) -> list[Choice]:
+        return [getattr(self, name) for name in self.__slots__]
+
+
+def plan_for(config, model_config) -> ExecutionPlan:
+    """The plan for `config` (an EngineConfig) and a ModelConfig on this machine; builds (or
+    loads) the native kernels first unless pure-torch attention is asked for."""
+    from llmserve import kernels
+
+    return build_plan(config, model_config, CpuInfo.detect(), config.attention_backend == "auto" and kernels.load())
+
+
+def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[str, str] | None = None) -> ExecutionPlan:
+    """The plan for `config` (an EngineConfig) and the model's architecture (a ModelConfig) on
+    `cpu`; kernels_ok: the native kernels loaded. Typed errors for a request that cannot run."""
+    env = os.environ if env is None else env
+    device = Choice("cpu", "llmserve's engine runs on the CPU in this release")
+    dtype = _dtype(config.dtype, cpu)
+    attention, isa = _attention(config.attention_backend, cpu, kernels_ok, env.get("LLMSERVE_CPU_ISA"))
+    kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
+    compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
+    linear = _linear(config.quantize, dtype)
+    return ExecutionPlan(device, dtype, kv, compile_, attention, isa, linear)
+
+
+def _dtype(requested: str, cpu: CpuInfo) -> Choice:
+    if requested == "auto":
+        if cpu.native_bf16:
+            return Choice("bfloat16", "auto: this CPU computes bf16 natively (AVX-512 BF16 or AMX)")
+        return Choice("float32", "auto: this CPU lacks native bf16 (AVX-512 BF16 or AMX), where bf16 matmuls crawl")
+    if requested == "bfloat16" and not cpu.native_bf16:
+        logger.warning(
+            "--dtype bfloat16 on a CPU without native bf16 (no AVX-512 BF16 or AMX): every bf16 matmul is emulated "
+            "and runs several times slower than float32 (measured ~25 against ~90 tok/s on an AVX2 machine); "
+            "--dtype auto picks float32 here")
+        return Choice("bfloat16", "asked for; this CPU lacks native bf16, so it runs several times slower than float32")
+    return Choice(requested, "asked for")
+
+
+def _attention(requested: str, cpu: CpuInfo, kernels_ok: bool, forced_isa: str | None) -> tuple[Choice, Choice]:
+    if requested == "torch":
+        return Choice("torch", "asked for"), Choice("none", "pure-torch attention")
+    if not kernels_ok:
+        return (Choice("torch", "the native kernels did not build here (see the log)"),
+                Choice("none", "pure-torch attention"))
+    if forced_isa:
+        if forced_isa not in ISAS:
+            raise InvalidRequestError(f"LLMSERVE_CPU_ISA={forced_isa}: expected one of {', '.join(ISAS)}")
+        if forced_isa not in cpu.isas:
+            raise InvalidRequestError(f"LLMSERVE_CPU_ISA={forced_isa}: this CPU lacks it (it runs {', '.join(cpu.isas)})")
+        isa = Choice(forced_isa, "LLMSERVE_CPU_ISA")
+    else:
+        isa = Choice(cpu.isas[0], "the widest variant this CPU runs")
+    return Choice("native", "the native kernels built here"), isa
+
+
+def _kv_cache_dtype(requested: str, requested_dtype: str, dtype: Choice, cpu: CpuInfo, attention: Choice, isa: Choice,
+                    model_config) -> Choice:
+    if requested != "auto":
+        return Choice(requested, "asked for")
+    if dtype.value == "bfloat16":
+        return Choice("bfloat16", "auto: the weights' dtype")
+    if requested_dtype == "float32":
+        return Choice("float32", "auto: float32 weights asked for, so float32 numerics")
+    if attention.value != "native":
+        return Choice("float32", "auto: the weights' dtype (pure-torch attention gains nothing from a bf16 cache)")
+    return measured_kv_cache_dtype(isa.value, model_config)
+
+
+def _compile(requested: str, dtype: Choice, cpu: CpuInfo, quantize: str | None, model_config) -> Choice:
+    from llmserve.model.compile import CompileUnavailableError
+
+    if requested == "inductor" and quantize:
+        raise CompileUnavailableError(
+            f"--compile inductor does not support --quantize {quantize} in this release "
+            "(int8 layers run eager); use --compile none with --quantize, or drop --quantize")
+    if requested != "auto":
+        return Choice(requested, "asked for")
+    params = approx_params(model_config)
+    if quantize:
+        return Choice("none", f"auto: --quantize {quantize} runs eager")
+    if params < MIN_COMPILE_PARAMS:
+        return Choice("none", f"auto: {params / 1e6:.1f} M parameters step in about a millisecond; a compile would not pay back")
+    if dtype.value == "bfloat16" and not cpu.native_bf16:
+        return Choice("none", "auto: emulated bf16 is matmul-bound; compiling the rest gains little")
+    if dtype.value == "bfloat16":
+        return Choice("inductor", "auto: compiled bf16 steps measured 1.3-1.5x eager on AVX-512 BF16")
+    return Choice("inductor", "auto: compiled float32 steps measured 1.1-1.3x eager on AVX2 and AVX-512")
+
+
+def _linear(quantize: str | None, dtype: Choice) -> Choice:
+    from llmserve.model.packed import packs_correctly
+
+    if quantize == "int8":
+        return Choice("int8", "--quantize int8: weight-only int8 with per-channel scales")
+    if packs_correctly(DTYPES[dtype.value]):
+        return Choice("onednn-packed", "weights reordered once for oneDNN (2-4x nn.Linear in float32)")
+    return Choice("dense", "oneDNN weight packing is unavailable in this torch build or CPU")
+
+
+def approx_params(c) -> int:
+    """Parameters of a Llama-family ModelConfig (embeddings counted once when tied)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_hidden_layers * layer + embed
+
+
+def measured_kv_cache_dtype(isa: str, model_config, num_seqs: int = 32, context: int = 512) -> Choice:
+    """float32 or bfloat16 cache under float32 queries, whichever decode attention runs faster at
+    `num_seqs` sequences of `context` tokens; measured once per (ISA, head shape, threads) and kept
+    in measurements.json beside the kernels."""
+    from llmserve import kernels
+
+    c = model_config
+    key = f"kv_cache_dtype:{isa}:{c.num_attention_heads}x{c.num_key_value_heads}x{c.head_dim}:{torch.get_num_threads()}t"
+    path = kernels.build_directory() / "measurements.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key not in cached:
+        before = kernels.selected_isa()
+        kernels.select_isa(isa)
+        try:
+            cached[key] = {name: _time_decode(DTYPES[name], c, num_seqs, context) for name in DTYPES}
+        finally:
+            kernels.select_isa(before)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        tmp.replace(path)
+    ms = cached[key]
+    best = min(ms, key=ms.get)
+    return Choice(best, f"auto: measured decode attention {ms['float32']:.2f} ms float32, {ms['bfloat16']:.2f} ms "
+                        f"bfloat16 ({num_seqs} x {context} tokens, {isa})")
+
+
+def _time_decode(kv_dtype: torch.dtype, c, num_seqs: int, context: int, reps: int = 5) -> float:
+    """Median ms of one layer's paged decode attention, float32 queries, `kv_dtype` cache."""
+    bs = 16
+    blocks = num_seqs * context // bs
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(blocks + 1, bs, c.num_key_value_heads, c.head_dim, generator=g).to(kv_dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(num_seqs, c.num_attention_heads, c.head_dim, generator=g)
+    tables = torch.randperm(blocks, generator=g).add_(1).view(num_seqs, -1)
+    lens = torch.full((num_seqs,), context, dtype=torch.long)
+    op = torch.ops.llmserve.paged_decode_attention
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        op(q, k, v, tables, lens, c.head_dim**-0.5)
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[reps // 2] * 1000

@@ -1,0 +1,104 @@
+"""The execution plan: each choice for a CPU with and without native bf16, with its reason, and
+the plan where a user sees it (the start-up log, /get_server_info)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from llmserve import kernels
+from llmserve.config import EngineConfig
+from llmserve.errors import InvalidRequestError
+from llmserve.model.compile import CompileUnavailableError
+from llmserve.model.config import ModelConfig
+from llmserve.plan import CpuInfo, build_plan
+
+AVX2_ONLY = CpuInfo("AMD EPYC (Zen 3)", frozenset("sse4_2 avx avx2 fma f16c".split()), 2)
+AVX512_BF16 = CpuInfo("AMD EPYC (Zen 5)", frozenset("avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16".split()), 2)
+SMOLLM2 = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+                                 "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                                 "num_key_value_heads": 3, "tie_word_embeddings": True})
+TINY = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+                              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2})
+
+
+def plan(cpu: CpuInfo, model=SMOLLM2, kernels_ok: bool = False, env: dict | None = None, **options):
+    return build_plan(EngineConfig(**options), model, cpu, kernels_ok, env or {})
+
+
+def test_without_native_bf16_auto_picks_float32_and_compiles():
+    p = plan(AVX2_ONLY)
+    assert (p.dtype.value, p.torch_dtype) == ("float32", torch.float32)
+    assert "lacks native bf16" in p.dtype.reason
+    assert p.compile.value == "inductor" and "float32" in p.compile.reason
+    assert (p.attention_backend.value, p.cpu_isa.value) == ("torch", "none")  # kernels_ok=False
+    assert p.kv_cache_dtype.value == "float32"
+    assert AVX2_ONLY.isas == ("avx2", "portable") and not AVX2_ONLY.native_bf16
+
+
+def test_with_native_bf16_auto_picks_bfloat16():
+    p = plan(AVX512_BF16)
+    assert p.dtype.value == "bfloat16" and p.kv_cache_dtype.value == "bfloat16"
+    assert p.compile.value == "inductor"
+    assert AVX512_BF16.isas[0] == "avx512"
+
+
+@pytest.mark.skipif(not kernels.load(), reason="no native kernels (no C++ compiler)")
+def test_kv_cache_dtype_auto_is_measured_where_float32_was_chosen_for_speed():
+    """AVX2 (this CPU runs that variant whatever it is): the faster cache, measured once and kept
+    beside the kernels, so a second plan reads the same figures."""
+    first = plan(AVX2_ONLY, kernels_ok=True)
+    assert (first.attention_backend.value, first.cpu_isa.value) == ("native", "avx2")
+    assert first.kv_cache_dtype.value in ("float32", "bfloat16") and "measured" in first.kv_cache_dtype.reason
+    assert plan(AVX2_ONLY, kernels_ok=True).kv_cache_dtype == first.kv_cache_dtype
+    assert kernels.build_directory().joinpath("measurements.json").is_file()
+    # float32 asked for: float32 numerics, no measurement
+    asked = plan(AVX2_ONLY, kernels_ok=True, dtype="float32")
+    assert asked.kv_cache_dtype.value == "float32" and "asked for" in asked.kv_cache_dtype.reason
+
+
+def test_explicit_bfloat16_without_native_support_runs_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="llmserve.plan"):
+        p = plan(AVX2_ONLY, dtype="bfloat16")
+    assert p.dtype.value == "bfloat16" and p.compile.value == "none"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "several times slower" in warnings[0] and "auto picks float32" in warnings[0]
+
+
+def test_compile_auto_skips_int8_and_tiny_models_and_inductor_refuses_int8():
+    assert plan(AVX512_BF16, quantize="int8").compile.value == "none"
+    assert plan(AVX512_BF16, quantize="int8").linear_backend.value == "int8"
+    small = plan(AVX512_BF16, model=TINY).compile
+    assert small.value == "none" and "M parameters" in small.reason
+    assert plan(AVX512_BF16, compile="none").compile == plan(AVX2_ONLY, compile="none").compile
+    with pytest.raises(CompileUnavailableError, match="--quantize int8"):
+        plan(AVX512_BF16, compile="inductor", quantize="int8")
+
+
+def test_cpu_isa_can_be_forced_narrower_but_not_wider():
+    assert plan(AVX512_BF16, kernels_ok=True, env={"LLMSERVE_CPU_ISA": "avx2"}, dtype="bfloat16").cpu_isa.value == "avx2"
+    with pytest.raises(InvalidRequestError, match="this CPU lacks it"):
+        plan(AVX2_ONLY, kernels_ok=True, env={"LLMSERVE_CPU_ISA": "avx512"})
+    with pytest.raises(InvalidRequestError, match="expected one of"):
+        plan(AVX2_ONLY, kernels_ok=True, env={"LLMSERVE_CPU_ISA": "sse"})
+
+
+def test_plan_is_described_with_every_reason():
+    p = plan(AVX2_ONLY)
+    text = p.describe()
+    for name, choice in p.as_dict().items():
+        assert name in text and choice["value"] in text and choice["reason"] in text
+
+
+def test_the_engine_logs_its_plan_once_at_start_up(tiny_model, caplog):
+    from llmserve import LLM
+
+    with caplog.at_level(logging.INFO, logger="llmserve.engine"):
+        llm = LLM(tiny_model, dtype="float32", num_threads=1)
+    blocks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("execution plan:")]
+    assert len(blocks) == 1 and blocks[0] == llm.engine.plan.describe()
+    assert llm.engine.runner.kv_caches[0].dtype == llm.engine.plan.kv_torch_dtype
+    assert llm.engine.plan.dtype.value == "float32"
