@@ -36,6 +36,8 @@ logger = logging.getLogger("llmserve.plan")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ISAS = ("avx512", "avx2", "portable")  # widest first
 ISA_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": ("avx2", "fma"), "portable": ()}
+ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+                    "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
 MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
 
 
@@ -46,7 +48,10 @@ class CpuInfo:
     num_cores: int
 
     @classmethod
-    def detect(cls) -> CpuInfo:
+    def detect(cls, env: dict[str, str] | None = None) -> CpuInfo:
+        """This CPU, as oneDNN may use it: ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (e.g. AVX2)
+        leaves matmuls without native bf16, and the plan must not count on it."""
+        env = os.environ if env is None else env
         try:
             lines = Path("/proc/cpuinfo").read_text().splitlines()
         except OSError:
@@ -55,7 +60,11 @@ class CpuInfo:
         def field(*names: str) -> str:
             return next((ln.split(":", 1)[1].strip() for ln in lines if ln.split(":", 1)[0].strip() in names), "")
 
-        return cls(field("model name") or "unknown CPU", frozenset(field("flags", "Features").split()), os.cpu_count() or 1)
+        flags = frozenset(field("flags", "Features").split())
+        cap = env.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        if cap and cap not in ONEDNN_BF16_ISAS:
+            flags -= {"avx512_bf16", "amx_bf16"}
+        return cls(field("model name") or "unknown CPU", flags, os.cpu_count() or 1)
 
     @property
     def native_bf16(self) -> bool:

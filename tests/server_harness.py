@@ -77,7 +77,7 @@ def live_server(model_dir: str, **options) -> Iterator[LiveServer]:
     engine_opts = {"num_threads": 1, "dtype": "float32", "compile": "none", **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
     server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
     server_config = from_sources(ServerConfig, env={}, **server_opts)
-    client = EngineClient.launch(from_sources(EngineConfig, env={}, dtype="float32", model=model_dir, **engine_opts),
+    client = EngineClient.launch(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts),
                                  server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
     try:
         app = create_app(client, server_config)

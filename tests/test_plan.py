@@ -102,3 +102,10 @@ def test_the_engine_logs_its_plan_once_at_start_up(tiny_model, caplog):
     assert len(blocks) == 1 and blocks[0] == llm.engine.plan.describe()
     assert llm.engine.runner.kv_caches[0].dtype == llm.engine.plan.kv_torch_dtype
     assert llm.engine.plan.dtype.value == "float32"
+
+
+def test_a_onednn_isa_cap_below_bf16_means_no_native_bf16():
+    here = CpuInfo.detect({})
+    capped = CpuInfo.detect({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert not capped.native_bf16 and capped.isas == here.isas
+    assert CpuInfo.detect({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}).native_bf16 == here.native_bf16

@@ -38,6 +38,10 @@ def test_model_and_server_info(keyed):
         assert body["dp_size"] == 1 and body["max_running_requests"] == 8
         assert body["max_total_num_tokens"] == info.num_kv_blocks * info.block_size
         assert body["internal_states"][0]["num_blocks_total"] == info.num_kv_blocks
+        plan = body["execution_plan"]  # the engine's execution plan, each choice with its reason
+        assert plan["dtype"] == {"value": "float32", "reason": "asked for"}
+        assert plan["kv_cache_dtype"]["value"] == "float32" and plan["compile"]["value"] == "none"
+        assert set(plan) >= {"attention_backend", "cpu_isa", "linear_backend"} and all(c["reason"] for c in plan.values())
 
 
 def test_load_reports_the_engine_without_a_key(keyed):

@@ -38,14 +38,16 @@ def build_directory() -> Path:
 @contextlib.contextmanager
 def _ninja_on_path():
     """cpp_extension runs `ninja` from PATH; the pip package's binary is not there when the venv
-    is not activated (e.g. `.venv/bin/python -m pytest`)."""
+    is not activated (e.g. `.venv/bin/python -m pytest`), nor in a venv that reaches the package
+    through a path entry, where it lies under the package's own prefix (prefix/lib/pythonX.Y/site-packages/ninja -> prefix/bin)."""
     try:
         import ninja
     except ImportError:
         yield
         return
+    dirs = [d for d in (ninja.BIN_DIR, str(Path(ninja.__file__).parents[4] / "bin")) if d and Path(d, "ninja").is_file()]
     before = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, before])
+    os.environ["PATH"] = os.pathsep.join([*dirs, before])
     try:
         yield
     finally:

@@ -1,0 +1,145 @@
+"""This machine's roofline, and the engine's workload against it, in one run.
+
+1. The machine: matmul rate per dtype (a 2048-cube matmul, and a packed linear of the model's
+   widest shape at M = 1 and M = 32 rows against a plain matmul of that shape), and the streaming
+   read bandwidth (a sum over 512 MB, best of several).
+2. The workload of `llmserve profile` (--num-prompts x --input-len in / --output-len out, greedy,
+   all at once) run in process under the execution plan the engine options give: output tok/s,
+   its GEMM FLOPs (2 x weights x tokens, the LM head for generated tokens only) over the best
+   matmul rate found = the compute bound, and the achieved fraction of it.
+3. One stream: the mean decode-only step at batch 1 against the bytes of the weights it reads
+   (every linear weight once) over the bandwidth measured in 1.
+
+Emulating an AVX2-only CPU on an AVX-512 one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+LLMSERVE_CPU_ISA=avx2 (the plan then sees no native bf16 and picks float32).
+Usage: python scripts/bench_cpu.py [--model DIR] [engine options, e.g. --dtype float32 --compile none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from llmserve.config import EngineConfig, add_arguments, from_sources
+from llmserve.plan import CpuInfo, approx_params
+from llmserve.profile_cmd import run_workload, warmup
+from llmserve.sampling import SamplingParams
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def best_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    return 2 * m * k * n / best_seconds(lambda: torch.mm(a, b), reps) / 1e9
+
+
+def packed_gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 20) -> float | None:
+    from llmserve.model.packed import PackedLinear, packs_correctly
+
+    if not packs_correctly(dtype):
+        return None
+    layer = PackedLinear(torch.nn.Linear(k, n, bias=False).to(dtype))
+    x = torch.randn(m, k).to(dtype)
+    with torch.inference_mode():
+        return 2 * m * k * n / best_seconds(lambda: layer(x), reps) / 1e9
+
+
+def read_gbps(mbytes: int = 512, reps: int = 7) -> float:
+    x = torch.ones(mbytes * 2**20 // 4)
+    return x.numel() * 4 / best_seconds(lambda: x.sum(), reps) / 1e9
+
+
+def machine(shape: tuple[int, int]) -> dict:
+    k, n = shape
+    out: dict = {"read_gbps": read_gbps()}
+    for dt in DTYPES:
+        name = str(dt).removeprefix("torch.")
+        out[f"mm2048 {name}"] = matmul_gflops(2048, 2048, 2048, dt, reps=3)
+        for m in (1, 32):
+            out[f"mm{m} {name}"] = matmul_gflops(m, k, n, dt, reps=20)
+            out[f"packed{m} {name}"] = packed_gflops(m, k, n, dt)
+    return out
+
+
+def workload(config: EngineConfig, num_prompts: int, input_len: int, output_len: int) -> dict:
+    from llmserve.engine.engine_core import LLMEngine
+
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(n)]
+
+    warmup(engine, prompts(2), params)
+    _, elapsed = run_workload(engine, prompts(num_prompts), params)
+    warmup(engine, prompts(1), params)  # forgets the step records
+    run_workload(engine, prompts(1), params)
+    b1 = [s.duration_s for s in engine.step_records if not s.num_prefill_tokens and s.num_decode_seqs == 1]
+    c = engine.model_config
+    head = c.vocab_size * c.hidden_size
+    body = approx_params(c) - head * (1 if c.tie_word_embeddings else 2)
+    flops = 2 * body * num_prompts * input_len + 2 * (body + head) * num_prompts * output_len
+    weight_bytes = (body + head) * engine.dtype.itemsize if engine.plan.linear_backend.value != "int8" else body + head
+    return {"plan": engine.plan, "tok_s": num_prompts * output_len / elapsed, "elapsed": elapsed, "flops": flops,
+            "b1_step_s": statistics.mean(b1), "weight_bytes": weight_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-workload", action="store_true", help="only the machine's figures")
+    add_arguments(ap, EngineConfig)
+    args = ap.parse_args()
+    config = from_sources(EngineConfig, args)
+    cpu = CpuInfo.detect()
+    print(f"CPU: {cpu.describe()}; torch threads {torch.get_num_threads()}, ATen {torch.backends.cpu.get_cpu_capability()}")
+
+    from llmserve.model.config import ModelConfig
+    from llmserve.model.resolve import resolve_model
+
+    c = ModelConfig.from_file(resolve_model(config.model) / "config.json")
+    m = machine((c.hidden_size, 2 * c.intermediate_size))  # the gate_up projection
+    print(f"streaming read: {m['read_gbps']:.1f} GB/s")
+    for dt in DTYPES:
+        name = str(dt).removeprefix("torch.")
+        packed = {r: m[f"packed{r} {name}"] for r in (1, 32)}
+        line = f"{name:>8}: 2048^3 matmul {m[f'mm2048 {name}']:.1f} GFLOP/s; [{c.hidden_size} x {2 * c.intermediate_size}] "
+        line += ", ".join(f"M={r} matmul {m[f'mm{r} {name}']:.1f}" + (f" packed {packed[r]:.1f}" if packed[r] else "")
+                          for r in (1, 32))
+        print(line)
+    if args.no_workload:
+        return
+    w = workload(config, args.num_prompts, args.input_len, args.output_len)
+    dtype = w["plan"].dtype.value
+    peak = max(m[f"mm2048 {dtype}"], m[f"packed32 {dtype}"] or 0.0)
+    bound_s = w["flops"] / (peak * 1e9)
+    print(f"\n{w['plan'].describe()}\n")
+    print(f"workload {args.num_prompts} x {args.input_len} in / {args.output_len} out: {w['tok_s']:.1f} output tok/s "
+          f"({w['elapsed']:.2f} s); GEMM work {w['flops'] / 1e12:.2f} TFLOP, at the best {dtype} matmul rate "
+          f"({peak:.0f} GFLOP/s) {bound_s:.2f} s = {args.num_prompts * args.output_len / bound_s:.0f} tok/s: "
+          f"{bound_s / w['elapsed'] * 100:.0f}% of the compute bound")
+    floor_s = w["weight_bytes"] / (m["read_gbps"] * 1e9)
+    print(f"batch-1 decode step: {w['b1_step_s'] * 1000:.1f} ms; weights {w['weight_bytes'] / 1e6:.0f} MB at "
+          f"{m['read_gbps']:.1f} GB/s = {floor_s * 1000:.1f} ms: {w['b1_step_s'] / floor_s:.2f}x the bandwidth bound")
+
+
+if __name__ == "__main__":
+    main()
