@@ -27,7 +27,7 @@ from llmserve.paths import cache_dir
 logger = logging.getLogger("llmserve.kernels")
 NAMES = ("paged_attention.cpp", "decode_avx2.cpp", "decode_avx512.cpp", "cache_write.cpp", "packed_linear.cpp")
 SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
-CFLAGS = ("-O3",)  # no -march: each ISA variant names its own target
+CFLAGS = ("-O3", "-fopenmp")  # no -march: each ISA variant names its own target; at::parallel_for needs OpenMP
 
 
 def build_directory() -> Path:
@@ -65,7 +65,7 @@ def _build_and_load(where: Path) -> None:
         (where / "lock").unlink(missing_ok=True)
         logger.info("building native kernels if needed (once per machine): %s", where)
         with _ninja_on_path():
-            cpp_extension.load("llmserve_kernels", [str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+            cpp_extension.load("llmserve_kernels", [str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                                build_directory=str(where), is_python_module=False, verbose=False)
 
 

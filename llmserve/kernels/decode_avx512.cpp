@@ -31,7 +31,7 @@ struct Bf16Dot {
   inline Vec operator()(int64_t j, const uint16_t* row) const {
     const uint16_t* qj = q + j * NV * 16;
     __m512 part = _mm512_setzero_ps();
-    for (int c = 0; c < NV / 2; ++c)
+    LLMSERVE_UNROLL for (int c = 0; c < NV / 2; ++c)
       part = _mm512_dpbf16_ps(part, (__m512bh)_mm512_loadu_si512(qj + c * 32), (__m512bh)_mm512_loadu_si512(row + c * 32));
     return {part};
   }

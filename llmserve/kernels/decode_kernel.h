@@ -7,14 +7,25 @@
 //      W scores at once. A block's K rows (block_size x hd) stay in L1 while every query head reads
 //      them, so no more than W + the query chunk need registers (AVX2 has 16).
 //   2. m_j = max_t scores, p = exp(scores - m_j), l_j = sum_t p.
-//   3. acc_j += p[j, t] * v_t, block by block: the block's V rows stay in L1 across query heads,
-//      and at most 8 accumulators are live at once (head_dim 128 on AVX2 is two passes of 8).
+//   3. acc_j += p[j, t] * v_t, block by block: each V row is loaded once for as many query heads
+//      as their accumulators fit in registers (all of SmolLM2's 3 on AVX-512; 2 at a time, in
+//      chunks of 4 vectors, on AVX2), and the block stays in L1 for the next group.
 // Blocks kAhead ahead are prefetched into L2: rows are strided (one head's slice of each token)
 // and blocks are scattered, which the hardware prefetcher does not foresee.
+
+// Loops of a compile-time count are unrolled, so that arrays of vectors stay in registers.
+#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 constexpr int64_t kAhead = 6;
+// Step 3's register budget: kAccumulators accumulators of up to kChunk vectors per head, beside
+// the V chunk and the broadcast probability (AVX-512 has 32 registers, AVX2 16).
+#if defined(LLMSERVE_AVX512)
+constexpr int kChunk = 8, kAccumulators = 16;
+#else
+constexpr int kChunk = 4, kAccumulators = 8;
+#endif
 
 template <typename T>
 inline void prefetch_block(const T* rows, int64_t block_size, int64_t kv_stride, int64_t hd) {
@@ -30,7 +41,7 @@ struct FmaDot {
   inline Vec operator()(int64_t j, const T* row) const {
     const float* qj = q + j * NV * Vec::W;
     Vec part = vzero();
-    for (int c = 0; c < NV; ++c) part = vfma(vload(qj + c * Vec::W), vload(row + c * Vec::W), part);
+    LLMSERVE_UNROLL for (int c = 0; c < NV; ++c) part = vfma(vload(qj + c * Vec::W), vload(row + c * Vec::W), part);
     return part;
   }
 };
@@ -39,7 +50,8 @@ template <typename T, int NV, typename Dot>
 void attend(const DecodeItem& it, const DecodeGeom& geo, const Dot& dot, float post, float* scores) {
   constexpr int W = Vec::W;
   constexpr int64_t hd = NV * W;
-  constexpr int CH = NV < 8 ? NV : 8;  // accumulators live at once in step 3
+  constexpr int CH = NV < kChunk ? NV : kChunk;  // vectors of a V row held at once in step 3
+  constexpr int HB = kAccumulators / CH < 1 ? 1 : kAccumulators / CH > 8 ? 8 : kAccumulators / CH;  // heads at once
   const int64_t g = geo.g, bs = geo.block_size, ks = geo.kv_stride, bstride = geo.block_stride;
   const T* kbase = static_cast<const T*>(it.k);
   const T* vbase = static_cast<const T*>(it.v);
@@ -65,7 +77,7 @@ void attend(const DecodeItem& it, const DecodeGeom& geo, const Dot& dot, float p
       for (int64_t s0 = 0; s0 < n; s0 += W) {
         const int64_t cnt = imin(W, n - s0);
         Vec part[W];
-        for (int t = 0; t < W; ++t) part[t] = t < cnt ? dot(j, k + (s0 + t) * ks) : vzero();
+        LLMSERVE_UNROLL for (int t = 0; t < W; ++t) part[t] = t < cnt ? dot(j, k + (s0 + t) * ks) : vzero();
         vstore(scores + j * pitch + base + s0, vmul(vreduce_rows(part), vset(post)));
       }
   }
@@ -87,25 +99,31 @@ void attend(const DecodeItem& it, const DecodeGeom& geo, const Dot& dot, float p
     l[j] = vsum(sum);
   }
 
-  // 3. weighted sum of V
+  // 3. weighted sum of V: a block's rows are loaded (and widened from bf16) once per chunk of CH
+  // vectors and head group of HB heads, whose accumulators stay in registers through the block
   for (int64_t b = it.first_block; b < it.end_block; ++b) {
     const int64_t base = b * bs - t0, n = imin(bs, it.len - b * bs);
     const T* v = vbase + it.table[b] * bstride;
     if (b + kAhead < it.end_block) prefetch_block(vbase + it.table[b + kAhead] * bstride, bs, ks, hd);
-    for (int64_t j = 0; j < g; ++j) {
-      const float* p = scores + j * pitch + base;
-      float* a = acc + j * hd;
-      for (int c0 = 0; c0 < NV; c0 += CH) {
-        Vec r[CH];
-        for (int c = 0; c < CH; ++c) r[c] = vload(a + (c0 + c) * W);
+    for (int c0 = 0; c0 < NV; c0 += CH)
+      for (int64_t j0 = 0; j0 < g; j0 += HB) {
+        const int64_t gc = imin(HB, g - j0);
+        Vec r[HB][CH];
+        LLMSERVE_UNROLL for (int jj = 0; jj < HB; ++jj)
+          LLMSERVE_UNROLL for (int c = 0; c < CH; ++c) r[jj][c] = jj < gc ? vload(acc + (j0 + jj) * hd + (c0 + c) * W) : vzero();
         for (int64_t t = 0; t < n; ++t) {
-          const Vec pt = vset(p[t]);
+          Vec vr[CH];
           const T* row = v + t * ks + c0 * W;
-          for (int c = 0; c < CH; ++c) r[c] = vfma(pt, vload(row + c * W), r[c]);
+          LLMSERVE_UNROLL for (int c = 0; c < CH; ++c) vr[c] = vload(row + c * W);
+          LLMSERVE_UNROLL for (int jj = 0; jj < HB; ++jj) {
+            if (jj >= gc) break;
+            const Vec pt = vset(scores[(j0 + jj) * pitch + base + t]);
+            LLMSERVE_UNROLL for (int c = 0; c < CH; ++c) r[jj][c] = vfma(pt, vr[c], r[jj][c]);
+          }
         }
-        for (int c = 0; c < CH; ++c) vstore(a + (c0 + c) * W, r[c]);
+        LLMSERVE_UNROLL for (int jj = 0; jj < HB; ++jj)
+          if (jj < gc) LLMSERVE_UNROLL for (int c = 0; c < CH; ++c) vstore(acc + (j0 + jj) * hd + (c0 + c) * W, r[jj][c]);
       }
-    }
   }
 }
 

@@ -40,9 +40,9 @@ inline Vec vfloor(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_I
 // four 128-bit lanes.
 inline Vec vreduce_rows(const Vec* v) {
   __m512 s[8], r[4];
-  for (int i = 0; i < 8; ++i)
+  _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i)
     s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
-  for (int i = 0; i < 4; ++i)
+  _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i)
     r[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
@@ -111,6 +111,6 @@ inline Vec vexp(Vec x) {
   const Vec n = vfloor(t);
   const Vec f = vsub(t, n);
   Vec p = vset(kPoly[0]);
-  for (int i = 1; i < 7; ++i) p = vfma(p, f, vset(kPoly[i]));
+  _Pragma("GCC unroll 8") for (int i = 1; i < 7; ++i) p = vfma(p, f, vset(kPoly[i]));
   return vexp2_parts(p, n);
 }
