@@ -88,6 +88,7 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class ExecutionPlan:
+    cpu: Choice  # the CPU's class (its widest ISA, +bf16 where native) and what was read of it
     device: Choice
     dtype: Choice  # float32 | bfloat16
     kv_cache_dtype: Choice  # float32 | bfloat16
@@ -139,7 +140,8 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
     compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
     linear = _linear(config.quantize, dtype)
-    return ExecutionPlan(device, dtype, kv, compile_, attention, isa, linear)
+    cpu_class = Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
+    return ExecutionPlan(cpu_class, device, dtype, kv, compile_, attention, isa, linear)
 
 
 def _dtype(requested: str, cpu: CpuInfo) -> Choice:

@@ -42,7 +42,7 @@ from llmserve.table import format_table
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine (default: its own default)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--c1-prompts", type=int, default=8, help="prompts of the concurrency-1 run (0: skip it)")
