@@ -15,6 +15,9 @@ Rules (`auto` everywhere):
   asks for float32 numerics, so its cache stays float32.
 - compile: inductor where it measured faster (bf16 on native-bf16 CPUs, float32 on AVX2 and
   AVX-512), except for int8 layers (eager) and models too small for a compile to pay back.
+- linear: oneDNN-packed weights; where the native kernels run and a second copy costs at most
+  an eighth of the RAM, plain weights too, for steps of at most 4 rows (batch-1 decode), which
+  llmserve::gemv reads at close to the streaming bandwidth.
 - attention: the native kernels where they build, in the widest ISA variant the CPU runs
   (LLMSERVE_CPU_ISA=avx2|portable forces a narrower one); pure torch otherwise.
 """
@@ -38,6 +41,7 @@ ISAS = ("avx512", "avx2", "portable")  # widest first
 ISA_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": ("avx2", "fma"), "portable": ()}
 ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
+GEMV_MEMORY_SHARE = 8  # a plain copy of the weights for batch-1 steps, where it costs at most 1/8 of the RAM
 MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
 
 
@@ -95,7 +99,7 @@ class ExecutionPlan:
     compile: Choice  # none | inductor | tensorrt
     attention_backend: Choice  # native | torch
     cpu_isa: Choice  # the native decode kernel's variant: avx512 | avx2 | portable (or none)
-    linear_backend: Choice  # onednn-packed | int8 | dense
+    linear_backend: Choice  # onednn-packed+gemv | onednn-packed | int8 | dense
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -139,7 +143,7 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     attention, isa = _attention(config.attention_backend, cpu, kernels_ok, env.get("LLMSERVE_CPU_ISA"))
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
     compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
-    linear = _linear(config.quantize, dtype)
+    linear = _linear(config.quantize, dtype, attention, model_config)
     cpu_class = Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
     return ExecutionPlan(cpu_class, device, dtype, kv, compile_, attention, isa, linear)
 
@@ -209,14 +213,26 @@ def _compile(requested: str, dtype: Choice, cpu: CpuInfo, quantize: str | None, 
     return Choice("inductor", "auto: compiled float32 steps measured 1.1-1.3x eager on AVX2 and AVX-512")
 
 
-def _linear(quantize: str | None, dtype: Choice) -> Choice:
-    from llmserve.model.packed import packs_correctly
+def _linear(quantize: str | None, dtype: Choice, attention: Choice, model_config) -> Choice:
+    from llmserve.model.packed import GEMV_MAX_ROWS, packs_correctly
 
     if quantize == "int8":
         return Choice("int8", "--quantize int8: weight-only int8 with per-channel scales")
-    if packs_correctly(DTYPES[dtype.value]):
-        return Choice("onednn-packed", "weights reordered once for oneDNN (2-4x nn.Linear in float32)")
-    return Choice("dense", "oneDNN weight packing is unavailable in this torch build or CPU")
+    if not packs_correctly(DTYPES[dtype.value]):
+        return Choice("dense", "oneDNN weight packing is unavailable in this torch build or CPU")
+    extra = approx_params(model_config) * DTYPES[dtype.value].itemsize
+    if attention.value == "native" and extra <= physical_memory() // GEMV_MEMORY_SHARE:
+        return Choice("onednn-packed+gemv", f"weights reordered once for oneDNN (2-4x nn.Linear in float32), and kept "
+                                            f"plain too (+{extra / 2**20:.0f} MiB) for steps of <= {GEMV_MAX_ROWS} rows: "
+                                            "llmserve::gemv reads them nearer the streaming bandwidth")
+    return Choice("onednn-packed", "weights reordered once for oneDNN (2-4x nn.Linear in float32)")
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
 
 
 def approx_params(c) -> int:

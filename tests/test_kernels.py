@@ -229,6 +229,43 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
         torch.ops.llmserve.onednn_linear(x, handle)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gemv_equals_a_linear_layer(op, dtype, tol):
+    """llmserve::gemv, the batch-1 linear over a plain weight: every row count it takes, input
+    widths with and without a vector tail, with and without bias; more rows are refused."""
+    g = torch.Generator().manual_seed(6)
+    for rows in (1, 2, 3, 4):
+        for out, width in ((37, 100), (960, 576), (5, 8)):
+            x = torch.randn(rows, width, generator=g).to(dtype)
+            w = torch.randn(out, width, generator=g).to(dtype)
+            bias = torch.randn(out, generator=g) if out != 5 else None
+            got = torch.ops.llmserve.gemv(x, w, bias)
+            want = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+            assert got.dtype == dtype and got.shape == (rows, out)
+            err = (got.double() - want).abs().max().item()
+            assert err <= tol * max(1.0, want.abs().max().item()), (rows, out, width, err)
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        torch.ops.llmserve.gemv(torch.ones(5, 8), torch.ones(3, 8), None)
+
+
+def test_packed_linear_takes_gemv_for_few_rows(op):
+    """A layer packed with its plain weight kept: 1-4 rows run llmserve::gemv and more rows the
+    packed oneDNN path, eager and through the native op, all equal to F.linear."""
+    from llmserve.model.packed import PackedLinear
+
+    g = torch.Generator().manual_seed(7)
+    dense = torch.nn.Linear(64, 40, bias=True)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(40, 64, generator=g))
+    layer = PackedLinear(dense, native=True, gemv=True)
+    for rows in (1, 4, 5, 32):
+        x = torch.randn(rows, 64, generator=g)
+        want = torch.nn.functional.linear(x, dense.weight, dense.bias)
+        with torch.inference_mode():
+            for got in (layer(x), torch.ops.llmserve.onednn_linear(x, layer.handle)):
+                assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), rows
+
+
 def mixed_step(dtype, seed: int = 4):
     """A compiled step's attention inputs: 2 decode rows, a fresh 21-token prompt, a continued
     chunk of 6 tokens at context 40 and one padding chunk; every new K/V row already in the cache.

@@ -78,14 +78,18 @@ def loaded(request, model_factory):
     return load_model(path, torch.float32), ref
 
 
-@pytest.fixture(scope="module", params=["packed", "plain"])
+@pytest.fixture(scope="module", params=["packed", "packed+gemv", "plain"])
 def pair(request, loaded, attention_backend):
-    """Every check runs four ways: oneDNN-packed linear layers (the engine's default) or nn.Linear,
-    times the native decode-attention kernel or the pure-torch path."""
+    """Every check runs five ways: oneDNN-packed linear layers (the engine's default), the same
+    with plain weights for steps of <= 4 rows (llmserve::gemv, with the native kernels), or
+    nn.Linear, times the native decode-attention kernel or the pure-torch path."""
     ours, ref = loaded
     ours = copy.deepcopy(ours)
-    if request.param == "packed":
-        assert pack_linears(ours, torch.float32) > 0
+    if request.param == "packed+gemv" and attention_backend != "native":
+        pytest.skip("llmserve::gemv is one of the native kernels")
+    if request.param.startswith("packed"):
+        gemv = request.param == "packed+gemv"
+        assert pack_linears(ours, torch.float32, native=gemv, gemv=gemv) > 0
     ours.use_native_attention(attention_backend == "native")
     return ours, ref
 

@@ -84,8 +84,10 @@ class ModelRunner:
         if plan.native:
             kernels.select_isa(plan.cpu_isa.value)
         self.model.use_native_attention(plan.native)
-        if plan.linear_backend.value == "onednn-packed":
-            logger.info("linear layers packed for oneDNN: %d", pack_linears(self.model, plan.torch_dtype, plan.native))
+        linear = plan.linear_backend.value
+        if linear.startswith("onednn-packed"):
+            packed = pack_linears(self.model, plan.torch_dtype, plan.native, gemv=linear.endswith("+gemv"))
+            logger.info("linear layers packed for oneDNN: %d", packed)
         if plan.compile.value == "inductor":
             graph = StepGraph(self.model)
             logger.info("compiled step graph ready in %.1f s", graph.warm_up(self.kv_caches))

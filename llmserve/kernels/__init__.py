@@ -5,9 +5,9 @@ compiles the files in parallel and rebuilds only what changed, headers included,
 installed torch's headers and ABI flags) into $LLMSERVE_KERNEL_CACHE (default:
 llmserve.paths.cache_dir("kernels"), ~/.cache/llmserve/kernels), one folder per torch version.
 
-One library serves every x86-64 CPU: the decode-attention kernel is compiled once per ISA (AVX2 +
-FMA, AVX-512) under per-file target pragmas, with no -march flag, and the ISA is chosen at run
-time (select_isa, from the execution plan). Where no compiler or ninja is available, load() says
+One library serves every x86-64 CPU: the decode-attention and GEMV kernels are compiled once per
+ISA (AVX2 + FMA in isa_avx2.cpp, AVX-512 in isa_avx512.cpp) under per-file target pragmas, with no
+-march flag, and the ISA is chosen at run time (select_isa, from the execution plan; isa.cpp). Where no compiler or ninja is available, load() says
 False and logs why once; the execution plan then runs pure-torch attention.
 """
 
@@ -25,7 +25,8 @@ import torch
 from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
-NAMES = ("paged_attention.cpp", "decode_avx2.cpp", "decode_avx512.cpp", "cache_write.cpp", "packed_linear.cpp")
+NAMES = ("isa.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "paged_attention.cpp", "gemv.cpp", "cache_write.cpp",
+         "packed_linear.cpp")
 SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
 CFLAGS = ("-O3", "-fopenmp")  # no -march: each ISA variant names its own target; at::parallel_for needs OpenMP
 

@@ -13,9 +13,6 @@
 // Blocks kAhead ahead are prefetched into L2: rows are strided (one head's slice of each token)
 // and blocks are scattered, which the hardware prefetcher does not foresee.
 
-// Loops of a compile-time count are unrolled, so that arrays of vectors stay in registers.
-#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
-
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 constexpr int64_t kAhead = 6;

@@ -4,7 +4,8 @@
 // The packed weights live in a process-wide table keyed by an int handle (llmserve.model.packed
 // registers each one, and releases it when its module goes), so a graph holds a handle, never the
 // opaque weight itself. onednn_linear(x [T, in], handle) -> [T, out] runs
-// mkldnn::_linear_pointwise(x, weight, bias, "none", [], ""), as the eager path does.
+// mkldnn::_linear_pointwise(x, weight, bias, "none", [], ""), as the eager path does, or, for at
+// most kGemvMaxRows rows of a layer registered with its plain weight, llmserve::gemv.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -14,19 +15,27 @@
 #include <optional>
 #include <unordered_map>
 
+#include "gemv.h"
+
+namespace llmserve {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);  // gemv.cpp
+}
+
 namespace {
 
 struct Packed {
   at::Tensor weight;  // opaque oneDNN layout
   std::optional<at::Tensor> bias;
+  std::optional<at::Tensor> plain;  // [out, in], for steps of at most kGemvMaxRows rows (gemv.cpp)
 };
 
 std::mutex table_mutex;
 std::unordered_map<int64_t, Packed> table;
 
-void packed_register(int64_t handle, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+void packed_register(int64_t handle, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& plain) {
   std::lock_guard<std::mutex> lock(table_mutex);
-  table[handle] = Packed{weight, bias};
+  table[handle] = Packed{weight, bias, plain};
 }
 
 void packed_release(int64_t handle) {
@@ -42,6 +51,7 @@ at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
     TORCH_CHECK(it != table.end(), "onednn_linear: no packed weight has handle ", handle);
     p = it->second;
   }
+  if (p.plain && x.dim() == 2 && x.size(0) <= llmserve::kGemvMaxRows) return llmserve::gemv(x, *p.plain, p.bias);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
   stack.reserve(6);
@@ -58,7 +68,7 @@ at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
-  m.def("packed_register(int handle, Tensor weight, Tensor? bias) -> ()");
+  m.def("packed_register(int handle, Tensor weight, Tensor? bias, Tensor? plain) -> ()");
   m.def("packed_release(int handle) -> ()");
   m.def("onednn_linear(Tensor x, int handle) -> Tensor");
 }

@@ -14,8 +14,7 @@
 // partial results merged (flash-decoding), so batch 1 keeps every core busy.
 //
 // Variants (decode.h): AVX-512 and AVX2 + FMA builds of one kernel for head_dim 16, 32, 64 and
-// 128, and a portable loop for everything else. select_cpu_isa() picks the ISA once per process
-// (llmserve.plan decides it at start-up); a CPU without that ISA is refused.
+// 128, and a portable loop for everything else, in the ISA that isa.cpp keeps for the process.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,14 +22,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <vector>
 
 #include "decode.h"
+#include "gemv.h"
 
 namespace {
 
@@ -39,45 +37,12 @@ using llmserve::DecodeGeom;
 using llmserve::DecodeItem;
 using llmserve::KvType;
 
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
-const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
-
-bool cpu_has(int isa) {
-  __builtin_cpu_init();
-  switch (isa) {
-    case kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    default: return true;
-  }
-}
-
-int best_isa() { return cpu_has(kAvx512) ? kAvx512 : cpu_has(kAvx2) ? kAvx2 : kPortable; }
-
-std::atomic<int> selected_isa{-1};  // -1: the best this CPU has
-
-int current_isa() {
-  const int isa = selected_isa.load(std::memory_order_relaxed);
-  return isa >= 0 ? isa : best_isa();
-}
-
-void select_cpu_isa(const std::string& name) {
-  const auto it = std::find(std::begin(kIsaNames), std::end(kIsaNames), name);
-  TORCH_CHECK(it != std::end(kIsaNames), "select_cpu_isa: unknown ISA '", name, "' (portable, avx2 or avx512)");
-  const int isa = static_cast<int>(it - std::begin(kIsaNames));
-  TORCH_CHECK(cpu_has(isa), "select_cpu_isa: this CPU lacks ", name);
-  selected_isa.store(isa);
-}
-
-std::string cpu_isa() { return kIsaNames[current_isa()]; }
-
 DecodeFn pick(int isa, KvType kv, bool q_bf16, int64_t hd) {
-  if (isa == kAvx512) {
+  if (isa == llmserve::kAvx512) {
     const bool dpbf16 = __builtin_cpu_supports("avx512bf16");
     return llmserve::pick_avx512(kv, q_bf16, dpbf16, hd);
   }
-  return isa == kAvx2 ? llmserve::pick_avx2(kv, hd) : nullptr;
+  return isa == llmserve::kAvx2 ? llmserve::pick_avx2(kv, hd) : nullptr;
 }
 
 inline float as_float(float x) { return x; }
@@ -198,7 +163,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t block_size = k_cache.size(1), kvh = k_cache.size(2), g = heads / kvh, width = tables.size(1);
   const DecodeGeom geo{g, hd, block_size, kvh * hd, block_size * kvh * hd, static_cast<float>(scale)};
   const KvType kv = k_cache.scalar_type() == at::kFloat ? KvType::kFloat : KvType::kBFloat16;
-  const DecodeFn fn = pick(current_isa(), kv, q.scalar_type() == at::kBFloat16, hd);
+  const DecodeFn fn = pick(llmserve::current_isa(), kv, q.scalar_type() == at::kBFloat16, hd);
   const DecodeFn portable = kv == KvType::kFloat ? &attend_portable<float> : &attend_portable<uint16_t>;
 
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -284,13 +249,6 @@ TORCH_LIBRARY(llmserve, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start, Tensor query_len, Tensor context_len, Tensor prefill_tables, "
         "float scale) -> Tensor");
-  m.def("select_cpu_isa(str isa) -> ()");
-  m.def("cpu_isa() -> str");
-}
-
-TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
-  m.impl("select_cpu_isa", &select_cpu_isa);
-  m.impl("cpu_isa", &cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {

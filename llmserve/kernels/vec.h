@@ -8,6 +8,17 @@
 // headers: everything here has internal linkage, so no inline function built for one ISA can be
 // merged with (and run in place of) another's.
 
+// Loops of a compile-time count are unrolled, so that arrays of vectors stay in registers.
+#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
+
+inline float scalar(float x) { return x; }
+inline float scalar(uint16_t x) {  // bf16 bits -> fp32
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 #if defined(LLMSERVE_AVX512)
 struct Vec {
   static constexpr int W = 16;

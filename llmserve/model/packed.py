@@ -31,23 +31,29 @@ from llmserve.model.quantize import linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
-_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # handle -> (packed weight, bias)
+GEMV_MAX_ROWS = 4  # steps of at most this many rows take llmserve::gemv where a layer keeps a plain weight
+# handle -> (packed weight, bias, plain weight [out, in] or None)
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 _HANDLES = itertools.count()
 
 
 class PackedLinear(nn.Module):
-    """native: compiled graphs call llmserve::onednn_linear (the native kernels are loaded)."""
+    """native: compiled graphs call llmserve::onednn_linear (the native kernels are loaded).
+    gemv (native only): also keep the plain weight, and run steps of at most GEMV_MAX_ROWS rows
+    through llmserve::gemv, which reads it once at close to the machine's streaming bandwidth
+    (oneDNN's packed path reads it about a third slower at batch 1)."""
 
-    def __init__(self, linear: nn.Linear, native: bool = False):
+    def __init__(self, linear: nn.Linear, native: bool = False, gemv: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # an opaque oneDNN tensor: not a parameter or buffer, so it never enters a state dict
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+        plain = linear.weight.detach().contiguous() if native and gemv else None
         self.handle, self.native = next(_HANDLES), native
-        _PACKED[self.handle] = (packed, linear.bias)
+        _PACKED[self.handle] = (packed, linear.bias, plain)
         if native:
             _register_native_shape()
-            torch.ops.llmserve.packed_register(self.handle, packed, linear.bias)
+            torch.ops.llmserve.packed_register(self.handle, packed, linear.bias, plain)
         weakref.finalize(self, _release, self.handle, native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
@@ -69,7 +75,9 @@ def _release(handle: int, native: bool) -> None:
 
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    weight, bias = _PACKED[handle]
+    weight, bias, plain = _PACKED[handle]
+    if plain is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        return torch.ops.llmserve.gemv(x, plain, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -102,15 +110,15 @@ def packs_correctly(dtype: torch.dtype) -> bool:
     return bool(torch.allclose(got.float(), want.float(), atol=tol, rtol=tol))
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, native: bool = False) -> int:
-    """Swap every nn.Linear for a PackedLinear in place (native: see PackedLinear); returns how
-    many were packed (0: none, where packs_correctly(dtype) is False)."""
+def pack_linears(model: nn.Module, dtype: torch.dtype, native: bool = False, gemv: bool = False) -> int:
+    """Swap every nn.Linear for a PackedLinear in place (native, gemv: see PackedLinear); returns
+    how many were packed (0: none, where packs_correctly(dtype) is False)."""
     if not packs_correctly(dtype):
         return 0
     layers = linear_layers(model)
     with torch.inference_mode():
         for parent, attr, _, layer in layers:
-            setattr(parent, attr, PackedLinear(layer, native))
+            setattr(parent, attr, PackedLinear(layer, native, gemv))
     # What stays dense (embeddings, norms, biases) may still sit on the checkpoint's memory map,
     # which keeps every page read from it resident; own copies let the map go.
     for p in model.parameters():

@@ -1,5 +1,6 @@
-// The AVX2 + FMA variant of the decode-attention kernel (decode_kernel.h over 8-lane vectors).
-// Only this file is built for AVX2; the glue calls it only on a CPU that has AVX2 and FMA.
+// The AVX2 + FMA variants of the decode-attention kernel (decode_kernel.h) and the GEMV
+// (gemv_kernel.h), over 8-lane vectors. Only this file is built for AVX2; the glue calls it only
+// on a CPU that has AVX2 and FMA.
 
 #include <immintrin.h>
 
@@ -7,6 +8,7 @@
 #include <cstdint>
 
 #include "decode.h"
+#include "gemv.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -14,14 +16,18 @@
 namespace {
 #define LLMSERVE_AVX2
 using llmserve::DecodeFn;
+using llmserve::GemvFn;
 using llmserve::DecodeGeom;
 using llmserve::DecodeItem;
 using llmserve::KvType;
 #include "vec.h"
 #include "decode_kernel.h"
+#include "gemv_kernel.h"
 }  // namespace
 
 namespace llmserve {
+
+GemvFn pick_gemv_avx2(KvType weight) { return gemv_variant(weight); }
 
 // head_dim 16, 32, 64 or 128 (Llama-style models use 64 or 128); others take the portable loop
 DecodeFn pick_avx2(KvType kv, int64_t hd) {

@@ -1,5 +1,6 @@
-// The AVX-512 variant of the decode-attention kernel (decode_kernel.h over 16-lane vectors), and
-// its bf16 x bf16 scores from the AVX512-BF16 dot product where the CPU has it. Only this file is
+// The AVX-512 variants of the decode-attention kernel (decode_kernel.h over 16-lane vectors, with
+// bf16 x bf16 scores from the AVX512-BF16 dot product where the CPU has it) and of the GEMV
+// (gemv_kernel.h). Only this file is
 // built for AVX-512; the glue calls it only on a CPU with AVX-512 F, BW, VL and DQ, and the
 // dot-product variant only where the CPU has AVX512-BF16 too.
 
@@ -10,6 +11,7 @@
 #include <cstring>
 
 #include "decode.h"
+#include "gemv.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -17,11 +19,13 @@
 namespace {
 #define LLMSERVE_AVX512
 using llmserve::DecodeFn;
+using llmserve::GemvFn;
 using llmserve::DecodeGeom;
 using llmserve::DecodeItem;
 using llmserve::KvType;
 #include "vec.h"
 #include "decode_kernel.h"
+#include "gemv_kernel.h"
 
 // bf16 queries against bf16 rows: bf16 x bf16 products are exact in fp32, so only the summation
 // order differs from the fp32 path; the scale is applied to the sums. q [g, hd] raw bf16.
@@ -51,6 +55,8 @@ void run_dpbf16(const DecodeItem& it, const DecodeGeom& geo) {
 }  // namespace
 
 namespace llmserve {
+
+GemvFn pick_gemv_avx512(KvType weight) { return gemv_variant(weight); }
 
 DecodeFn pick_avx512(KvType kv, bool q_bf16, bool dpbf16, int64_t hd) {
   const bool dp = kv == KvType::kBFloat16 && q_bf16 && dpbf16;

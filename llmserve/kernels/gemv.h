@@ -1,0 +1,27 @@
+// The contract between the GEMV glue (gemv.cpp) and its ISA variants (isa_avx2.cpp,
+// isa_avx512.cpp): a linear layer for steps of at most kGemvMaxRows rows (batch-1 decode), which
+// is bound by reading the weights once, over a plain [out, in] weight.
+//   y[m, o] = sum_i x[m, i] * w[o, i] + bias[o]   for rows o in [o0, o1), m < M
+// x: [M, in] fp32; w: [out, in] float or bf16 bits; bias: [out] fp32 or nullptr; y: [M, out] fp32.
+
+#pragma once
+
+#include <cstdint>
+
+#include "decode.h"
+
+namespace llmserve {
+
+constexpr int64_t kGemvMaxRows = 4;
+
+using GemvFn = void (*)(const float* x, int64_t m, const void* w, const float* bias, int64_t in, int64_t o0,
+                        int64_t o1, float* y, int64_t out);
+
+GemvFn pick_gemv_avx2(KvType weight);
+GemvFn pick_gemv_avx512(KvType weight);
+
+// The ISA variant this process runs (llmserve.plan picks it; isa.cpp keeps it).
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+int current_isa();
+
+}  // namespace llmserve
