@@ -4,12 +4,15 @@
 // accumulators, the R weight vectors and one input vector in registers. The rows are contiguous,
 // so the rows kAheadRows further on are prefetched as these are read (prefetching past the weight's end is harmless).
 
+// rows at a time for M input rows: R * M accumulators fit beside R weight vectors (AVX2 has 16)
 #if defined(LLMSERVE_AVX512)
+template <int M>
 constexpr int kGemvR = 4;
 #else
-constexpr int kGemvR = 2;
+template <int M>
+constexpr int kGemvR = M <= 2 ? 4 : 2;
 #endif
-constexpr int64_t kAheadRows = 2 * kGemvR;  // prefetch distance, in rows
+constexpr int64_t kAheadRows = 8;  // prefetch distance, in rows
 
 template <typename T, int M, int R>
 inline void gemv_rows(const float* x, const T* w, const float* bias, int64_t in, int64_t o, float* y, int64_t out) {
@@ -42,7 +45,7 @@ void gemv_m(const float* x, const void* wv, const float* bias, int64_t in, int64
             int64_t out) {
   const T* w = static_cast<const T*>(wv);
   int64_t o = o0;
-  for (; o + kGemvR <= o1; o += kGemvR) gemv_rows<T, M, kGemvR>(x, w, bias, in, o, y, out);
+  for (; o + kGemvR<M> <= o1; o += kGemvR<M>) gemv_rows<T, M, kGemvR<M>>(x, w, bias, in, o, y, out);
   for (; o < o1; ++o) gemv_rows<T, M, 1>(x, w, bias, in, o, y, out);
 }
 
