@@ -118,9 +118,10 @@ class ExecutionPlan:
 
     def describe(self) -> str:
         """One block for the log and the profile's header."""
-        width = max(map(len, self.__slots__))
+        choices = self._choices()
+        width, vwidth = max(map(len, self.__slots__)), max(len(c.value) for c in choices)
         return "execution plan:\n" + "\n".join(
-            f"  {name:<{width}}  {c.value:<13} {c.reason}" for name, c in zip(self.__slots__, self._choices(), strict=True))
+            f"  {name:<{width}}  {c.value:<{vwidth}}  {c.reason}" for name, c in zip(self.__slots__, choices, strict=True))
 
     def _choices(self) -> list[Choice]:
         return [getattr(self, name) for name in self.__slots__]
