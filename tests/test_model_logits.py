@@ -64,13 +64,6 @@ class Paged:
         return out
 
 
-@pytest.fixture(scope="module", params=["native", "torch"])
-def attention_backend(request) -> str:
-    if request.param == "native" and not kernels.load():
-        pytest.skip("native kernels unavailable (no C++ compiler)")
-    return request.param
-
-
 @pytest.fixture(scope="module", params=PRESETS)
 def loaded(request, model_factory):
     path = model_factory(request.param)
@@ -78,19 +71,29 @@ def loaded(request, model_factory):
     return load_model(path, torch.float32), ref
 
 
-@pytest.fixture(scope="module", params=["packed", "packed+gemv", "plain"])
-def pair(request, loaded, attention_backend):
-    """Every check runs five ways: oneDNN-packed linear layers (the engine's default), the same
-    with plain weights for steps of <= 4 rows (llmserve::gemv, with the native kernels), or
-    nn.Linear, times the native decode-attention kernel or the pure-torch path."""
+WAYS = [  # (linear layers, attention)
+    ("packed+gemv", "native"),  # the engine's default: oneDNN-packed, plain weights for <= 4 rows
+    ("packed", "native"),
+    ("packed", "torch"),
+    ("plain", "native"),
+    ("plain", "torch"),
+]
+
+
+@pytest.fixture(scope="module", params=WAYS, ids=["/".join(w) for w in WAYS])
+def pair(request, loaded):
+    """Every check runs five ways: oneDNN-packed linear layers, the same with plain weights for
+    steps of <= 4 rows (llmserve::gemv, one of the native kernels), or nn.Linear, with the native
+    decode-attention kernel or the pure-torch path."""
+    linear, attention = request.param
+    if attention == "native" and not kernels.load():
+        pytest.skip("native kernels unavailable (no C++ compiler)")
     ours, ref = loaded
     ours = copy.deepcopy(ours)
-    if request.param == "packed+gemv" and attention_backend != "native":
-        pytest.skip("llmserve::gemv is one of the native kernels")
-    if request.param.startswith("packed"):
-        gemv = request.param == "packed+gemv"
+    if linear.startswith("packed"):
+        gemv = linear == "packed+gemv"
         assert pack_linears(ours, torch.float32, native=gemv, gemv=gemv) > 0
-    ours.use_native_attention(attention_backend == "native")
+    ours.use_native_attention(attention == "native")
     return ours, ref
 
 
