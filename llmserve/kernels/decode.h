@@ -26,7 +26,8 @@ struct DecodeGeom {
 };
 
 struct DecodeItem {
-  const float* q;         // [g, hd] fp32, unscaled
+  const void* q;          // [g, hd] unscaled: fp32, or bf16 bits where q_bf16
+  bool q_bf16;
   const void* k;          // this KV head's slice of block 0 of k_cache (float or bf16 bits)
   const void* v;          // likewise for v_cache
   const int64_t* table;   // the sequence's block ids
@@ -42,7 +43,7 @@ inline int64_t scratch_floats(int64_t g, int64_t hd, int64_t tokens) { return 2 
 using DecodeFn = void (*)(const DecodeItem&, const DecodeGeom&);
 
 // The variant compiled for (cache dtype, head_dim), or nullptr where that ISA has none.
-// q_bf16: the queries are bf16 values (so a bf16 dot product on them is exact);
+// q_bf16: the queries are bf16 (so a bf16 dot product on them is exact);
 // dpbf16: the CPU has AVX512-BF16 (only the AVX-512 variant uses it).
 DecodeFn pick_avx2(KvType kv, int64_t hd);
 DecodeFn pick_avx512(KvType kv, bool q_bf16, bool dpbf16, int64_t hd);

@@ -129,7 +129,10 @@ template <typename T, int NV>
 void run_fma(const DecodeItem& it, const DecodeGeom& geo) {
   const int64_t n = geo.g * NV * Vec::W;
   float* qs = it.scratch;
-  for (int64_t i = 0; i < n; ++i) qs[i] = it.q[i] * geo.scale;
+  if (it.q_bf16)
+    for (int64_t i = 0; i < n; ++i) qs[i] = scalar(static_cast<const uint16_t*>(it.q)[i]) * geo.scale;
+  else
+    for (int64_t i = 0; i < n; ++i) qs[i] = static_cast<const float*>(it.q)[i] * geo.scale;
   attend<T, NV>(it, geo, FmaDot<T, NV>{qs}, 1.f, qs + n);
 }
 

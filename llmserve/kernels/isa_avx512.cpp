@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "decode.h"
 #include "gemv.h"
@@ -44,13 +43,7 @@ struct Bf16Dot {
 template <int NV>
 void run_dpbf16(const DecodeItem& it, const DecodeGeom& geo) {
   const int64_t n = geo.g * NV * 16;
-  uint16_t* qb = reinterpret_cast<uint16_t*>(it.scratch);
-  for (int64_t i = 0; i < n; ++i) {  // the queries are bf16 values: their top 16 bits are exact
-    uint32_t bits;
-    std::memcpy(&bits, it.q + i, sizeof(bits));
-    qb[i] = static_cast<uint16_t>(bits >> 16);
-  }
-  attend<uint16_t, NV>(it, geo, Bf16Dot<NV>{qb}, geo.scale, it.scratch + n);
+  attend<uint16_t, NV>(it, geo, Bf16Dot<NV>{static_cast<const uint16_t*>(it.q)}, geo.scale, it.scratch);
 }
 }  // namespace
 

@@ -53,6 +53,10 @@ inline float as_float(uint16_t x) {
   return f;
 }
 
+inline float query(const DecodeItem& it, int64_t i) {
+  return it.q_bf16 ? as_float(static_cast<const uint16_t*>(it.q)[i]) : static_cast<const float*>(it.q)[i];
+}
+
 // The portable loop, same contract as the variants (decode.h): any head_dim, plain arithmetic.
 template <typename T>
 void attend_portable(const DecodeItem& it, const DecodeGeom& geo) {
@@ -66,13 +70,12 @@ void attend_portable(const DecodeItem& it, const DecodeGeom& geo) {
   float* scores = it.scratch;  // [n_tok]
   std::fill(acc, acc + g * hd, 0.f);
   for (int64_t j = 0; j < g; ++j) {
-    const float* q = it.q + j * hd;
     float mj = -INFINITY;
     for (int64_t i = 0; i < n_tok; ++i) {
       const int64_t t = t0 + i;
       const T* k = kbase + it.table[t / bs] * geo.block_stride + (t % bs) * geo.kv_stride;
       float s = 0.f;
-      for (int64_t c = 0; c < hd; ++c) s += q[c] * as_float(k[c]);
+      for (int64_t c = 0; c < hd; ++c) s += query(it, j * hd + c) * as_float(k[c]);
       scores[i] = s * geo.scale;
       mj = std::max(mj, scores[i]);
     }
@@ -91,6 +94,7 @@ void attend_portable(const DecodeItem& it, const DecodeGeom& geo) {
 }
 
 constexpr int64_t kMinBlocksPerSplit = 4;
+constexpr int64_t kMaxHeadDim = 512;
 
 // Splits per sequence: 1 when (sequence, KV head) pairs already give every thread two items.
 int64_t choose_splits(int64_t items, int64_t max_blocks) {
@@ -109,6 +113,7 @@ void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at:
                 "paged_decode_attention supports float32 and bfloat16, not ", t.scalar_type());
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head mismatch");
+  TORCH_CHECK(q.size(2) <= kMaxHeadDim, "head_dim ", q.size(2), " is over ", kMaxHeadDim);
   TORCH_CHECK(tables.dim() == 2 && lens.dim() == 1, "block_tables [D, max_blocks], seq_lens [D]");
   TORCH_CHECK(tables.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table per query");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
@@ -124,41 +129,40 @@ void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at:
   }
 }
 
-// out[s, h*g + j] = the merge of the splits' partials of (s, h) for query head j
-void merge_partials(const at::Tensor& partials, int64_t d, int64_t kvh, int64_t splits, int64_t g, int64_t hd,
-                    float* out) {
-  const float* pp = partials.data_ptr<float>();
+// out[s, h*g + j] (T: out's dtype) for the item w = s * kvh + h: the merge of its splits' partials
+// for query head j (decode.h), normalised
+template <typename T>
+void merge_item(const float* parts, int64_t splits, int64_t g, int64_t hd, T* out_rows) {
   const int64_t item = g * (hd + 2);
-  at::parallel_for(0, d * kvh, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const float* parts = pp + w * splits * item;
-      for (int64_t j = 0; j < g; ++j) {
-        float mx = -INFINITY;
-        for (int64_t k = 0; k < splits; ++k)
-          if (parts[k * item + g * hd + g + j] > 0.f) mx = std::max(mx, parts[k * item + g * hd + j]);
-        float total = 0.f;
-        float* o = out + (w * g + j) * hd;  // w = s * kvh + h, so (s, h*g + j) is row w*g + j
-        std::fill(o, o + hd, 0.f);
-        for (int64_t k = 0; k < splits; ++k) {
-          const float* p = parts + k * item;
-          const float lk = p[g * hd + g + j];
-          if (!(lk > 0.f) && !std::isnan(lk)) continue;  // an empty split
-          const float wk = splits == 1 ? 1.f : std::exp(p[g * hd + j] - mx);
-          total += wk * lk;
-          for (int64_t c = 0; c < hd; ++c) o[c] += wk * p[j * hd + c];
-        }
-        const float inv = 1.f / total;
-        for (int64_t c = 0; c < hd; ++c) o[c] *= inv;
-      }
+  for (int64_t j = 0; j < g; ++j) {
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < splits; ++k)
+      if (parts[k * item + g * hd + g + j] > 0.f) mx = std::max(mx, parts[k * item + g * hd + j]);
+    float total = 0.f;
+    float o[kMaxHeadDim] = {};
+    for (int64_t k = 0; k < splits; ++k) {
+      const float* p = parts + k * item;
+      const float lk = p[g * hd + g + j];
+      if (!(lk > 0.f) && !std::isnan(lk)) continue;  // an empty split
+      const float wk = splits == 1 ? 1.f : std::exp(p[g * hd + j] - mx);
+      total += wk * lk;
+      for (int64_t c = 0; c < hd; ++c) o[c] += wk * p[j * hd + c];
     }
-  });
+    const float inv = 1.f / total;
+    for (int64_t c = 0; c < hd; ++c) out_rows[j * hd + c] = static_cast<T>(o[c] * inv);
+  }
+}
+
+template <typename T>
+void merge_into(const float* parts, int64_t splits, int64_t g, int64_t hd, at::Tensor& out, int64_t w) {
+  merge_item(parts, splits, g, hd, out.data_ptr<T>() + w * g * hd);  // (s, h*g + j) is row w*g + j
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   check_decode_args(q, k_cache, v_cache, tables, lens);
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor qc = q.contiguous();
   const int64_t d = q.size(0), heads = q.size(1), hd = q.size(2);
   const int64_t block_size = k_cache.size(1), kvh = k_cache.size(2), g = heads / kvh, width = tables.size(1);
   const DecodeGeom geo{g, hd, block_size, kvh * hd, block_size * kvh * hd, static_cast<float>(scale)};
@@ -170,27 +174,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t max_blocks = d ? (*std::max_element(lp, lp + d) + block_size - 1) / block_size : 0;
   const int64_t splits = choose_splits(d * kvh, max_blocks);
   const int64_t per_split = (max_blocks + splits - 1) / std::max<int64_t>(splits, 1);
-  at::Tensor partials = at::empty({d * kvh * splits, g * (hd + 2)}, qf.options());
-  const float* qp = qf.data_ptr<float>();
+  // Splits of one (sequence, KV head) are adjacent work items; with one split an item merges (normalises)
+  // its own partial at once, else a second pass merges each item's splits.
+  at::Tensor partials = at::empty({splits == 1 ? 0 : d * kvh * splits, g * (hd + 2)}, qc.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({d, heads, hd}, qc.options());
+  const char* qp = static_cast<const char*>(qc.data_ptr());
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  const auto merge = q_bf16 ? &merge_into<c10::BFloat16> : &merge_into<float>;
   const char* kp = static_cast<const char*>(k_cache.data_ptr());
   const char* vp = static_cast<const char*>(v_cache.data_ptr());
   const int64_t elem = k_cache.element_size();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  float* pp = partials.data_ptr<float>();
   at::parallel_for(0, d * kvh * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(llmserve::scratch_floats(g, hd, per_split * block_size));
+    std::vector<float> scratch(llmserve::scratch_floats(g, hd, per_split * block_size) + (splits == 1 ? g * (hd + 2) : 0));
+    float* own = scratch.data() + (scratch.size() - g * (hd + 2));  // the partial of an unsplit item
     for (int64_t w = begin; w < end; ++w) {
       const int64_t s = w / (kvh * splits), h = (w / splits) % kvh, k = w % splits;
       const int64_t nb = (lp[s] + block_size - 1) / block_size, per = (nb + splits - 1) / splits;
-      const DecodeItem item{qp + (s * heads + h * g) * hd, kp + h * hd * elem, vp + h * hd * elem, tp + s * width,
-                            std::min(k * per, nb), std::min((k + 1) * per, nb), lp[s],
-                            pp + w * g * (hd + 2), scratch.data()};
+      float* partial = splits == 1 ? own : partials.data_ptr<float>() + w * g * (hd + 2);
+      const DecodeItem item{qp + (s * heads + h * g) * hd * qc.element_size(), q_bf16, kp + h * hd * elem,
+                            vp + h * hd * elem, tp + s * width, std::min(k * per, nb), std::min((k + 1) * per, nb),
+                            lp[s], partial, scratch.data()};
       (fn ? fn : portable)(item, geo);
+      if (splits == 1) merge(partial, 1, g, hd, out, w);
     }
   });
-  at::Tensor out = at::empty({d, heads, hd}, qf.options());
-  merge_partials(partials, d, kvh, splits, g, hd, out.data_ptr<float>());
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  if (splits > 1)
+    at::parallel_for(0, d * kvh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t w = begin; w < end; ++w) merge(partials.data_ptr<float>() + w * splits * g * (hd + 2), splits, g, hd, out, w);
+    });
+  return out;
 }
 
 // One prefill chunk: queries [n, H, hd] at positions ctx-n .. ctx-1 of their sequence, attending
