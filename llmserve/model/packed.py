@@ -48,7 +48,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # an opaque oneDNN tensor: not a parameter or buffer, so it never enters a state dict
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        plain = linear.weight.detach().contiguous() if native and gemv else None
+        # an own copy: the loaded weight may sit on the checkpoint's memory map (see pack_linears)
+        plain = linear.weight.detach().clone(memory_format=torch.contiguous_format) if native and gemv else None
         self.handle, self.native = next(_HANDLES), native
         _PACKED[self.handle] = (packed, linear.bias, plain)
         if native:
