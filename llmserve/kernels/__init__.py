@@ -3,7 +3,8 @@
 The C++ sources live next to this file. `load()` builds them with torch.utils.cpp_extension (ninja
 compiles the files in parallel and rebuilds only what changed, headers included, against the
 installed torch's headers and ABI flags) into $LLMSERVE_KERNEL_CACHE (default:
-llmserve.paths.cache_dir("kernels"), ~/.cache/llmserve/kernels), one folder per torch version.
+llmserve.paths.cache_dir("kernels"), ~/.cache/llmserve/kernels), one folder per torch version and
+version of the sources.
 
 One library serves every x86-64 CPU: the decode-attention and GEMV kernels are compiled once per
 ISA (AVX2 + FMA in isa_avx2.cpp, AVX-512 in isa_avx512.cpp) under per-file target pragmas, with no
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 from functools import cache
@@ -32,8 +34,14 @@ CFLAGS = ("-O3", "-fopenmp")  # no -march: each ISA variant names its own target
 
 
 def build_directory() -> Path:
+    """One folder per torch version and kernel sources: another llmserve version (another
+    checkout, say) builds beside this one instead of over it."""
     root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or cache_dir("kernels"))
-    return root / f"torch-{torch.__version__}"
+    h = hashlib.sha256()
+    for src in sorted(Path(__file__).parent.glob("*.[ch]*")):
+        if src.suffix in (".cpp", ".h"):
+            h.update(src.name.encode() + src.read_bytes())
+    return root / f"torch-{torch.__version__}-{h.hexdigest()[:12]}"
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
 // The contract between the decode-attention glue (paged_attention.cpp) and its ISA variants
-// (decode_avx2.cpp, decode_avx512.cpp, and the portable loop in paged_attention.cpp).
+// (isa_avx2.cpp, isa_avx512.cpp, and the portable loop in paged_attention.cpp).
 //
 // One work item is the g query heads that share one KV head of one sequence, over a range of that
 // sequence's blocks (a split: long contexts at small batch are split over blocks so that every

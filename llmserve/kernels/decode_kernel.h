@@ -1,5 +1,5 @@
 // The decode-attention kernel, written once over Vec (vec.h) and compiled once per ISA. Included
-// by decode_avx2.cpp and decode_avx512.cpp inside their pragma region and anonymous namespace.
+// by isa_avx2.cpp and isa_avx512.cpp inside their pragma region and anonymous namespace.
 //
 // One work item (decode.h): the g query heads of one KV head over a range of blocks.
 //   1. scores[j, t] = scale * q_j . k_t, W tokens at a time: each token's products with a query

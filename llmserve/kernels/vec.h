@@ -1,6 +1,6 @@
 // A width-generic fp32 vector for the ISA variant that includes this header: 8 lanes (AVX2 + FMA)
 // when LLMSERVE_AVX2 is defined, 16 lanes (AVX-512 F/BW/VL/DQ) when LLMSERVE_AVX512 is. Kernels
-// are written once over Vec and compiled once per ISA (decode_avx2.cpp, decode_avx512.cpp), each
+// are written once over Vec and compiled once per ISA (isa_avx2.cpp, isa_avx512.cpp), each
 // translation unit under its own `#pragma GCC target`, so one library runs on any x86-64 CPU and
 // picks its variant at run time.
 //
