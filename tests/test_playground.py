@@ -114,9 +114,13 @@ def test_stop_ends_the_stream_and_the_server_aborts_it(server, page):
     page.route("**/generate", without_eos)
     page.goto(server.url + "/playground")
     fill(page, "Count to a thousand.", temperature="1", **{"max-tokens": "900"})
+    # Stop is clicked inside the page on the 5th token: the tiny model streams ~1000 tokens a
+    # second, so a click sent from the test process could arrive after the answer has ended.
+    page.evaluate("""() => new MutationObserver((_, obs) => {
+        if (document.querySelectorAll('#output .tok').length >= 5) { obs.disconnect(); document.getElementById('stop').click(); }
+    }).observe(document.getElementById('output'), {childList: true, subtree: true})""")
     page.click("#send")
     page.wait_for_function("document.querySelectorAll('#output .tok').length >= 5", timeout=60_000)
-    page.click("#stop")
     page.wait_for_function("document.getElementById('send').disabled === false", timeout=10_000)
     stopped = page.locator("#output .tok").count()
     assert stopped < 900
