@@ -232,10 +232,11 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_gemv_equals_a_linear_layer(op, dtype, tol):
     """llmserve::gemv, the batch-1 linear over a plain weight: every row count it takes, input
-    widths with and without a vector tail, with and without bias; more rows are refused."""
+    widths that end in a part step, a single vector or a scalar tail, with and without bias; more
+    rows are refused."""
     g = torch.Generator().manual_seed(6)
     for rows in (1, 2, 3, 4):
-        for out, width in ((37, 100), (960, 576), (5, 8)):
+        for out, width in ((37, 100), (7, 120), (960, 576), (5, 8)):
             x = torch.randn(rows, width, generator=g).to(dtype)
             w = torch.randn(out, width, generator=g).to(dtype)
             bias = torch.randn(out, generator=g) if out != 5 else None

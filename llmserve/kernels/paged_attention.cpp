@@ -96,11 +96,13 @@ void attend_portable(const DecodeItem& it, const DecodeGeom& geo) {
 constexpr int64_t kMinBlocksPerSplit = 4;
 constexpr int64_t kMaxHeadDim = 512;
 
-// Splits per sequence: 1 when (sequence, KV head) pairs already give every thread two items.
-int64_t choose_splits(int64_t items, int64_t max_blocks) {
+// Splits per sequence: 1 when the (sequence, KV head) pairs that span more than one block (a
+// padded row of the compiled graph spans one) already give every thread two items.
+int64_t choose_splits(const int64_t* lens, int64_t d, int64_t kvh, int64_t block_size, int64_t max_blocks) {
   const int64_t threads = at::get_num_threads();
+  const int64_t items = kvh * std::count_if(lens, lens + d, [&](int64_t n) { return n > block_size; });
   if (items >= 2 * threads) return 1;
-  const int64_t want = (2 * threads + items - 1) / items;
+  const int64_t want = (2 * threads + std::max<int64_t>(items, 1) - 1) / std::max<int64_t>(items, 1);
   return std::max<int64_t>(1, std::min(want, max_blocks / kMinBlocksPerSplit));
 }
 
@@ -158,8 +160,9 @@ void merge_into(const float* parts, int64_t splits, int64_t g, int64_t hd, at::T
   merge_item(parts, splits, g, hd, out.data_ptr<T>() + w * g * hd);  // (s, h*g + j) is row w*g + j
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+// Decode attention into out [D, H, hd] (contiguous, q's dtype; may be rows of a larger tensor).
+void decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor out) {
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   check_decode_args(q, k_cache, v_cache, tables, lens);
   const at::Tensor qc = q.contiguous();
@@ -172,12 +175,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t max_blocks = d ? (*std::max_element(lp, lp + d) + block_size - 1) / block_size : 0;
-  const int64_t splits = choose_splits(d * kvh, max_blocks);
+  const int64_t splits = choose_splits(lp, d, kvh, block_size, max_blocks);
   const int64_t per_split = (max_blocks + splits - 1) / std::max<int64_t>(splits, 1);
   // Splits of one (sequence, KV head) are adjacent work items; with one split an item merges (normalises)
   // its own partial at once, else a second pass merges each item's splits.
   at::Tensor partials = at::empty({splits == 1 ? 0 : d * kvh * splits, g * (hd + 2)}, qc.options().dtype(at::kFloat));
-  at::Tensor out = at::empty({d, heads, hd}, qc.options());
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type(), "decode_into: out must be contiguous, in q's dtype");
   const char* qp = static_cast<const char*>(qc.data_ptr());
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const auto merge = q_bf16 ? &merge_into<c10::BFloat16> : &merge_into<float>;
@@ -185,24 +188,35 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const char* vp = static_cast<const char*>(v_cache.data_ptr());
   const int64_t elem = k_cache.element_size();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  at::parallel_for(0, d * kvh * splits, 1, [&](int64_t begin, int64_t end) {
+  // work item w = (s * kvh + h) * splits + k, dealt round-robin to the threads: a contiguous share
+  // would give one thread every split of a lone long sequence and the other the padded rows
+  const int64_t work = d * kvh * splits, lanes = std::min<int64_t>(work, at::get_num_threads());
+  at::parallel_for(0, lanes, 1, [&](int64_t lane0, int64_t lane1) {
     std::vector<float> scratch(llmserve::scratch_floats(g, hd, per_split * block_size) + (splits == 1 ? g * (hd + 2) : 0));
     float* own = scratch.data() + (scratch.size() - g * (hd + 2));  // the partial of an unsplit item
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t s = w / (kvh * splits), h = (w / splits) % kvh, k = w % splits;
-      const int64_t nb = (lp[s] + block_size - 1) / block_size, per = (nb + splits - 1) / splits;
-      float* partial = splits == 1 ? own : partials.data_ptr<float>() + w * g * (hd + 2);
-      const DecodeItem item{qp + (s * heads + h * g) * hd * qc.element_size(), q_bf16, kp + h * hd * elem,
-                            vp + h * hd * elem, tp + s * width, std::min(k * per, nb), std::min((k + 1) * per, nb),
-                            lp[s], partial, scratch.data()};
-      (fn ? fn : portable)(item, geo);
-      if (splits == 1) merge(partial, 1, g, hd, out, w);
+    for (int64_t lane = lane0; lane < lane1; ++lane) {
+      for (int64_t w = lane; w < work; w += lanes) {
+        const int64_t s = w / (kvh * splits), h = (w / splits) % kvh, k = w % splits;
+        const int64_t nb = (lp[s] + block_size - 1) / block_size, per = (nb + splits - 1) / splits;
+        float* partial = splits == 1 ? own : partials.data_ptr<float>() + w * g * (hd + 2);
+        const DecodeItem item{qp + (s * heads + h * g) * hd * qc.element_size(), q_bf16, kp + h * hd * elem,
+                              vp + h * hd * elem, tp + s * width, std::min(k * per, nb), std::min((k + 1) * per, nb),
+                              lp[s], partial, scratch.data()};
+        (fn ? fn : portable)(item, geo);
+        if (splits == 1) merge(partial, 1, g, hd, out, w);
+      }
     }
   });
   if (splits > 1)
     at::parallel_for(0, d * kvh, 1, [&](int64_t begin, int64_t end) {
       for (int64_t w = begin; w < end; ++w) merge(partials.data_ptr<float>() + w * splits * g * (hd + 2), splits, g, hd, out, w);
     });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  decode_into(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   return out;
 }
 
@@ -240,8 +254,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(d <= t && k.size(0) == t && v.size(0) == t, "decode rows and new K/V must fit the batch");
   TORCH_CHECK(query_start.size(0) == query_len.size(0) && context_len.size(0) == query_len.size(0) &&
                   prefill_tables.size(0) == query_len.size(0), "one start, length, context and table per chunk");
-  at::Tensor out = at::empty_like(q);
-  if (d) out.narrow(0, 0, d).copy_(paged_decode_attention(q.narrow(0, 0, d), k_cache, v_cache, block_tables, seq_lens, scale));
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous: decode rows are written in place
+  if (d) decode_into(q.narrow(0, 0, d), k_cache, v_cache, block_tables, seq_lens, scale, out.narrow(0, 0, d));
   const at::Tensor starts = query_start.contiguous(), lens = query_len.contiguous(), ctxs = context_len.contiguous();
   const int64_t block_size = k_cache.size(1);
   for (int64_t p = 0; p < lens.size(0); ++p) {
