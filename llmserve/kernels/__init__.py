@@ -30,14 +30,16 @@ logger = logging.getLogger("llmserve.kernels")
 NAMES = ("isa.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "paged_attention.cpp", "gemv.cpp", "cache_write.cpp",
          "packed_linear.cpp")
 SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
-CFLAGS = ("-O3", "-fopenmp")  # no -march: each ISA variant names its own target; at::parallel_for needs OpenMP
+# no -march: each ISA variant names its own target (-mtune only schedules for this CPU, and the
+# library runs on any x86-64); at::parallel_for needs OpenMP
+CFLAGS = ("-O3", "-mtune=native", "-fopenmp")
 
 
 def build_directory() -> Path:
     """One folder per torch version and kernel sources: another llmserve version (another
     checkout, say) builds beside this one instead of over it."""
     root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE") or cache_dir("kernels"))
-    h = hashlib.sha256()
+    h = hashlib.sha256(" ".join(CFLAGS).encode())
     for src in sorted(Path(__file__).parent.glob("*.[ch]*")):
         if src.suffix in (".cpp", ".h"):
             h.update(src.name.encode() + src.read_bytes())

@@ -31,15 +31,23 @@ inline void prefetch_block(const T* rows, int64_t block_size, int64_t kv_stride,
       _mm_prefetch(reinterpret_cast<const char*>(rows + t * kv_stride) + off, _MM_HINT_T1);
 }
 
-// q_j . row as W partial sums; q pre-scaled fp32 [g, hd]
+// q_j . row as W partial sums; q pre-scaled fp32 [g, hd]. head(j) loads query head j once, into
+// registers where they fit, for all the rows it meets.
 template <typename T, int NV>
 struct FmaDot {
   const float* q;
-  inline Vec operator()(int64_t j, const T* row) const {
-    const float* qj = q + j * NV * Vec::W;
-    Vec part = vzero();
-    LLMSERVE_UNROLL for (int c = 0; c < NV; ++c) part = vfma(vload(qj + c * Vec::W), vload(row + c * Vec::W), part);
-    return part;
+  struct Head {
+    Vec qv[NV];
+    inline Vec operator()(const T* row) const {
+      Vec part = vzero();
+      LLMSERVE_UNROLL for (int c = 0; c < NV; ++c) part = vfma(qv[c], vload(row + c * Vec::W), part);
+      return part;
+    }
+  };
+  inline Head head(int64_t j) const {
+    Head h;
+    LLMSERVE_UNROLL for (int c = 0; c < NV; ++c) h.qv[c] = vload(q + (j * NV + c) * Vec::W);
+    return h;
   }
 };
 
@@ -70,13 +78,15 @@ void attend(const DecodeItem& it, const DecodeGeom& geo, const Dot& dot, float p
     const int64_t base = b * bs - t0, n = imin(bs, it.len - b * bs);
     const T* k = kbase + it.table[b] * bstride;
     if (b + kAhead < it.end_block) prefetch_block(kbase + it.table[b + kAhead] * bstride, bs, ks, hd);
-    for (int64_t j = 0; j < g; ++j)
+    for (int64_t j = 0; j < g; ++j) {
+      const auto qj = dot.head(j);
       for (int64_t s0 = 0; s0 < n; s0 += W) {
         const int64_t cnt = imin(W, n - s0);
         Vec part[W];
-        LLMSERVE_UNROLL for (int t = 0; t < W; ++t) part[t] = t < cnt ? dot(j, k + (s0 + t) * ks) : vzero();
+        LLMSERVE_UNROLL for (int t = 0; t < W; ++t) part[t] = t < cnt ? qj(k + (s0 + t) * ks) : vzero();
         vstore(scores + j * pitch + base + s0, vmul(vreduce_rows(part), vset(post)));
       }
+    }
   }
   for (int64_t b = it.first_block; b < imin(it.first_block + kAhead, it.end_block); ++b)
     prefetch_block(vbase + it.table[b] * bstride, bs, ks, hd);  // V's first blocks arrive during step 2

@@ -31,12 +31,19 @@ using llmserve::KvType;
 template <int NV>
 struct Bf16Dot {
   const uint16_t* q;
-  inline Vec operator()(int64_t j, const uint16_t* row) const {
-    const uint16_t* qj = q + j * NV * 16;
-    __m512 part = _mm512_setzero_ps();
-    LLMSERVE_UNROLL for (int c = 0; c < NV / 2; ++c)
-      part = _mm512_dpbf16_ps(part, (__m512bh)_mm512_loadu_si512(qj + c * 32), (__m512bh)_mm512_loadu_si512(row + c * 32));
-    return {part};
+  struct Head {
+    __m512bh qh[NV / 2];
+    inline Vec operator()(const uint16_t* row) const {
+      __m512 part = _mm512_setzero_ps();
+      LLMSERVE_UNROLL for (int c = 0; c < NV / 2; ++c)
+        part = _mm512_dpbf16_ps(part, qh[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
+      return {part};
+    }
+  };
+  inline Head head(int64_t j) const {
+    Head h;
+    LLMSERVE_UNROLL for (int c = 0; c < NV / 2; ++c) h.qh[c] = (__m512bh)_mm512_loadu_si512(q + (j * NV / 2 + c) * 32);
+    return h;
   }
 };
 

@@ -137,21 +137,28 @@ template <typename T>
 void merge_item(const float* parts, int64_t splits, int64_t g, int64_t hd, T* out_rows) {
   const int64_t item = g * (hd + 2);
   for (int64_t j = 0; j < g; ++j) {
+    T* out = out_rows + j * hd;
+    if (splits == 1) {  // one partial: only the normalisation (a row of a padded item has l = 1)
+      const float inv = 1.f / parts[g * hd + g + j];
+      for (int64_t c = 0; c < hd; ++c) out[c] = static_cast<T>(parts[j * hd + c] * inv);
+      continue;
+    }
     float mx = -INFINITY;
     for (int64_t k = 0; k < splits; ++k)
       if (parts[k * item + g * hd + g + j] > 0.f) mx = std::max(mx, parts[k * item + g * hd + j]);
     float total = 0.f;
-    float o[kMaxHeadDim] = {};
+    float o[kMaxHeadDim];
+    std::fill(o, o + hd, 0.f);
     for (int64_t k = 0; k < splits; ++k) {
       const float* p = parts + k * item;
       const float lk = p[g * hd + g + j];
       if (!(lk > 0.f) && !std::isnan(lk)) continue;  // an empty split
-      const float wk = splits == 1 ? 1.f : std::exp(p[g * hd + j] - mx);
+      const float wk = std::exp(p[g * hd + j] - mx);
       total += wk * lk;
       for (int64_t c = 0; c < hd; ++c) o[c] += wk * p[j * hd + c];
     }
     const float inv = 1.f / total;
-    for (int64_t c = 0; c < hd; ++c) out_rows[j * hd + c] = static_cast<T>(o[c] * inv);
+    for (int64_t c = 0; c < hd; ++c) out[c] = static_cast<T>(o[c] * inv);
   }
 }
 
