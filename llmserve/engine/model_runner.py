@@ -7,6 +7,9 @@ written before attention, so the rows are causal among themselves, and the step 
 batch (the native kernel, the compiled graph, the same numerics as a plain decode). Every one
 of its rows is sampled (Sampler.verify).
 KV cache per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (block 0 = null block).
+On a GPU (the plan's device) the weights, the KV cache and the step's tensors live there; the
+step is prepared on the host and copied over, and the sampled rows' logits come back to the
+host sampler.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from llmserve import kernels
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
-from llmserve.model.attention import AttentionMetadata, PrefillSeq
+from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.compile import StepGraph
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
@@ -62,8 +65,10 @@ def kv_bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> i
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype, seed: int = 0,
+                 device: torch.device | str = "cpu"):
         c = model.config
+        self.device = torch.device(device)
         self.model = model
         self.block_size = block_size
         self.kv_dtype = kv_dtype
@@ -71,16 +76,25 @@ class ModelRunner:
         # mapped cache (calloc) halved start-up RSS but cost about 30% of serving throughput at 32
         # streams: every fresh block then pays first-touch page faults on the step that writes it.
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype)
+            torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype, device=self.device)
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
         self.step_graph: StepGraph | None = None  # set by setup_execution for --compile inductor
+        self.unified_attention = False  # every step's rows through llmserve::paged_attention (the Triton kernels)
 
     def setup_execution(self, plan: ExecutionPlan) -> None:
         """Carry out the plan: the attention backend (and the native kernel's ISA variant), linear
         weights packed for oneDNN (int8 layers are left alone), and with `inductor` the step graph
-        compiled over those same packed weights. tensorrt is refused before the model loads."""
+        compiled over those same packed weights. tensorrt is refused before the model loads. On
+        CUDA: the Triton kernels as the attention ops' CUDA implementations."""
+        if plan.attention_backend.value == "triton":
+            from llmserve.kernels.triton_attention import register_cuda_ops
+
+            register_cuda_ops()
+            self.model.use_native_attention(True)
+            self.unified_attention = True
+            return
         if plan.native:
             kernels.select_isa(plan.cpu_isa.value)
         self.model.use_native_attention(plan.native)
@@ -137,17 +151,17 @@ class ModelRunner:
                 # rows predicting prompt tokens not scored yet (a preempted request recomputes)
                 first, last = max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1)
                 prompt_rows += [(req, q0 + p - start, req.prompt_token_ids[p + 1]) for p in range(first, last)]
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=_on(dev, slots),
             num_decodes=len(seq_lens),
-            decode_block_tables=_pad_tables(tables),
-            decode_seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            decode_block_tables=_pad_tables(tables).to(dev, non_blocking=True),
+            decode_seq_lens=_on(dev, seq_lens),
             prefills=prefill_seqs,
         )
-        return ModelInput(
-            torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
-            sample_rows, sample_reqs, prompt_rows, spec_rows,
-        )
+        if self.unified_attention:  # every row through the one Triton kernel
+            meta.prefills, meta.prefill_batch = [], _prefill_batch(prefill_seqs, dev)
+        return ModelInput(_on(dev, ids), _on(dev, pos), meta, sample_rows, sample_reqs, prompt_rows, spec_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -155,6 +169,8 @@ class ModelRunner:
         inp = self.prepare(out)
         t1 = time.perf_counter()
         hidden, logits = self.forward(inp)
+        if logits is not None and logits.device.type != "cpu":
+            logits = logits.cpu()  # the sampler runs on the host
         t2 = time.perf_counter()
         result = RunnerOutput(prepare_s=t1 - t0, forward_s=t2 - t1)
         if inp.prompt_rows:
@@ -171,11 +187,24 @@ class ModelRunner:
         return result
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
-        logp = torch.log_softmax(self.model.compute_logits(hidden[[r[1] for r in rows]]), dim=-1)
+        logp = torch.log_softmax(self.model.compute_logits(hidden[[r[1] for r in rows]]), dim=-1).cpu()
         for i, (req, _, target) in enumerate(rows):
             if not req.prompt_logprobs:
                 req.prompt_logprobs.append(None)  # the first prompt token has no logprob
             req.prompt_logprobs.append(top_logprobs(logp[i], target, req.sampling_params.prompt_logprobs or 0))
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """[len(values)] int64 on `device` (built on the host, copied once)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def _prefill_batch(chunks: list[PrefillSeq], device: torch.device) -> PrefillBatch:
+    """The prefill chunks as the tensors of llmserve::paged_attention, on `device`."""
+    starts, lens, contexts = ([getattr(p, f) for p in chunks] for f in ("query_start", "query_len", "context_len"))
+    tables = _pad_tables([p.block_table.tolist() for p in chunks])
+    return PrefillBatch(_on(device, starts), _on(device, lens), _on(device, contexts), tables.to(device, non_blocking=True))
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
