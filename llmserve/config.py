@@ -36,6 +36,9 @@ class EngineConfig:
                                          "activations (--device cuda)")
     max_num_seqs: int = _opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = _opt(512, "token budget of one engine step (chunked prefill)")
+    scheduling_policy: str = _opt("fcfs", "fcfs: first come, first served; priority: by each request's priority "
+                                  "(lower first, ties by arrival), preempting the worst running request for a better one",
+                                  ("fcfs", "priority"))
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     attention_backend: str = _opt(

@@ -22,6 +22,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     pid: int  # of the process that runs the engine
     execution_plan: dict[str, dict[str, str]] = field(default_factory=dict)  # ExecutionPlan.as_dict()
+    scheduling_policy: str = "fcfs"  # fcfs | priority
 
 
 @dataclass(slots=True)
@@ -33,13 +34,16 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     max_tokens: int
     arrival_time: float  # time.time(); the clock both processes share
+    priority: int = 0  # lower runs first (--scheduling-policy priority)
 
 
 def make_core_request(
-    info: EngineInfo, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+    info: EngineInfo, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+    priority: int = 0,
 ) -> EngineCoreRequest:
     """Check a request against the engine's limits (typed errors); resolves max_tokens."""
     params.check_vocab(info.vocab_size)
+    check_priority(info, priority)
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
         raise InvalidRequestError("the prompt is empty", "prompt")
@@ -57,4 +61,13 @@ def make_core_request(
             f"the request needs {n_prompt + max_tokens} tokens of KV cache; the cache holds "
             f"{info.num_kv_blocks * info.block_size}", "max_tokens",
         )
-    return EngineCoreRequest(request_id, list(prompt_token_ids), params, max_tokens, arrival_time)
+    return EngineCoreRequest(request_id, list(prompt_token_ids), params, max_tokens, arrival_time, priority)
+
+
+def check_priority(info: EngineInfo, priority: object) -> None:
+    """An integer; other than 0 only under --scheduling-policy priority (as vLLM)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", "priority")
+    if priority != 0 and info.scheduling_policy != "priority":
+        raise InvalidRequestError("priority other than 0 needs the server started with --scheduling-policy priority",
+                                  "priority")

@@ -72,7 +72,8 @@ class EngineDoor(Protocol):
 
     @property
     def alive(self) -> bool: ...
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> EngineCoreRequest: ...
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                     priority: int = 0) -> EngineCoreRequest: ...
     def num_waiting(self) -> int: ...
     def add_request(self, req: EngineCoreRequest, sink: Sink) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
@@ -157,9 +158,10 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> EngineCoreRequest:
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                     priority: int = 0) -> EngineCoreRequest:
         """Validate against the engine's limits (typed errors); nothing is sent yet."""
-        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time)
+        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority)
 
     def num_waiting(self) -> int:
         """Requests the core has queued, plus those on their way to it."""

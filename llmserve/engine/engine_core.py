@@ -71,13 +71,15 @@ class LLMEngine:
             namespace=f"{self.fingerprint}:{config.block_size}",
         )
         self.proposer = self._proposer(config)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, config.seed, self.device)
         self.runner.setup_execution(self.plan)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
             self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,
             config.block_size, self.kv.pool.num_usable, tuple(self.eos_token_ids), os.getpid(), self.plan.as_dict(),
+            config.scheduling_policy,
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
@@ -162,19 +164,20 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate (typed errors, a grammar that does not compile among them) and queue a
         request; the live Request, for in-process callers."""
         arrival = time.time() if arrival_time is None else arrival_time
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
-        return self.add(make_core_request(self.info, request_id, prompt_token_ids, params, arrival))
+        return self.add(make_core_request(self.info, request_id, prompt_token_ids, params, arrival, priority))
 
     def add(self, core: EngineCoreRequest) -> Request:
         """Queue a request already checked against self.info (make_core_request)."""
         req = Request(core.request_id, core.prompt_token_ids, core.sampling_params, core.max_tokens,
-                      self.eos_token_ids, Timeline(core.arrival_time))
+                      self.eos_token_ids, Timeline(core.arrival_time), priority=core.priority)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
         so = req.sampling_params.structured_outputs
         if so is None:

@@ -26,18 +26,20 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[GenerationOutput]:
-        """Run all prompts together (continuous batching); one output per prompt, in order."""
+        """Run all prompts together (continuous batching); one output per prompt, in order.
+        priority: one per prompt, lower first (needs scheduling_policy="priority"), as vLLM."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         results, children = [], {}
-        for prompt, p in zip(prompts, plist, strict=True):
+        for prompt, p, prio in zip(prompts, plist, priority or [0] * len(prompts), strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             out = GenerationOutput(f"gen-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, [])
             for s in fan_out(out.request_id, 1, p):
-                self.engine.add_request(s.request_id, ids, s.params)
+                self.engine.add_request(s.request_id, ids, s.params, priority=prio)
                 out.outputs.append(CompletionOutput(s.index, "", [], None, logprobs=[] if p.logprobs is not None else None))
                 children[s.request_id] = (out, s.index)
             results.append(out)

@@ -6,12 +6,18 @@ requests first come, first served, within max_num_seqs. When the KV cache runs o
 the most recently admitted running request is preempted: its blocks are freed and it goes back
 to the front of the waiting queue, to be recomputed (prompt + the tokens it already produced).
 
+Under the priority policy both queues are kept in (priority, arrival) order, lower first: the
+budget goes to the best running requests, the best waiting one is admitted first, the worst
+running one is preempted, and a waiting request better than the worst running one preempts it
+when it waits for a batch slot or for blocks (vLLM preempts only for memory).
+
 With a proposer (speculative decoding), a decode may carry draft tokens: it then computes
 1 + len(drafts) tokens, and only those the sampler accepts are committed (commit()).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,8 +51,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 30):
+                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 30, policy: str = "fcfs"):
         self.kv = kv
+        self.priority = policy == "priority"
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -58,7 +65,10 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.priority:
+            _insert(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,6 +77,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
+        if self.priority:
+            self._preempt_for_better_waiting()
         speculate = self.proposer is not None and self.proposer.begin_step(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
@@ -106,7 +118,10 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 req.timeline.first_scheduled = time.time()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self.priority:
+                _insert(self.running, req)
+            else:
+                self.running.append(req)
             self._add(out, req, n)
             budget -= n
         return budget
@@ -136,7 +151,28 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.priority:
+            _insert(self.waiting, req)
+        else:
+            self.waiting.appendleft(req)
+
+    def _preempt_for_better_waiting(self) -> None:
+        """Going down the waiting queue, best first: while a waiting request ranks above the
+        worst running one and lacks a batch slot or the blocks for its first chunk (beside those
+        of the better ones before it), preempt that running request."""
+        slots_taken = blocks_taken = 0  # by the waiting requests already provided for
+        for req in list(self.waiting):
+            need = -(-min(req.num_tokens, self.max_num_batched_tokens) // self.kv.block_size)
+            while self._lacks_room(slots_taken + 1, blocks_taken + need) and self.running \
+                    and _rank(req) < _rank(self.running[-1]):
+                self._preempt(self.running.pop())
+            if self._lacks_room(slots_taken + 1, blocks_taken + need):
+                return
+            slots_taken, blocks_taken = slots_taken + 1, blocks_taken + need
+
+    def _lacks_room(self, slots: int, blocks: int) -> bool:
+        """Whether `slots` more running requests, holding `blocks` more blocks, do not fit."""
+        return len(self.running) + slots > self.max_num_seqs or self.kv.num_free_blocks < blocks
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the model ran: mark the scheduled tokens computed and hash newly full blocks.
@@ -163,3 +199,13 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    return req.priority, req.timeline.arrival
+
+
+def _insert(queue: list[Request] | deque[Request], req: Request) -> None:
+    """Into `queue`, kept in _rank order, after every request of equal rank."""
+    keys = [_rank(r) for r in queue]
+    queue.insert(bisect.bisect_right(keys, _rank(req)), req)

@@ -95,8 +95,9 @@ class RayEngineClient:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> EngineCoreRequest:
-        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time)
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                     priority: int = 0) -> EngineCoreRequest:
+        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority)
 
     def num_waiting(self) -> int:
         """Requests sent that have no output yet (queued in the router or in a replica)."""

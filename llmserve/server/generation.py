@@ -83,6 +83,7 @@ class Generation:
         score_only: bool = False,  # max_tokens 0: run one step for the prompt logprobs, drop the token
         use_cache: bool = True,  # the request's "cache" field
         semantic: SemanticQuery | None = None,  # the question, where the route allows a semantic hit
+        priority: int = 0,  # the request's "priority" field
     ):
         self.ctx = ctx
         self.request_id = request_id
@@ -91,7 +92,7 @@ class Generation:
         arrival = time.time() if arrival is None else arrival
         make = ctx.client.make_request
         self.choices = [
-            Choice(s.index, s.prompt_index, make(s.request_id, prompts[s.prompt_index], s.params, arrival))
+            Choice(s.index, s.prompt_index, make(s.request_id, prompts[s.prompt_index], s.params, arrival, priority))
             for s in fan_out(request_id, len(prompts), params)
         ]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()

@@ -52,7 +52,8 @@ async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -
     ids = _prompt_ids(ctx, body)
     params = body.sampling_params(body.max_tokens, logprobs=body.logprobs or 0)
     await ctx.check_structured(params, body.structured()[1])
-    gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache, semantic=_question(ctx, body))
+    gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache, semantic=_question(ctx, body),
+                     priority=body.priority)
     await gen.start()
     if body.stream:
         return GenerationStream(_events(ctx, gen), gen, done_marker=False)

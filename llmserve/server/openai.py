@@ -83,7 +83,7 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, prompt_logprobs)
     await ctx.check_structured(params, body.structured()[1])
     question = None if body.echo else prompt_question(ctx, body.prompt)
-    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache, question)
+    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache, question, body.priority)
     return await _respond(gen, _CompletionReply(ctx, gen, body), body.stream)
 
 
@@ -156,7 +156,8 @@ async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float)
         params.structured_outputs, asked_by = tool_grammar, "tools"
     await ctx.check_structured(params, asked_by)
     question = chat_question(ctx, messages, tools=template_tools, add_generation_prompt=body.add_generation_prompt)
-    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache, semantic=question)
+    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache, semantic=question,
+                     priority=body.priority)
     return await _respond(gen, _ChatReply(ctx, gen, body, plan), body.stream)
 
 

@@ -128,6 +128,7 @@ class SamplingFields(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache: bool = True  # false: never answered from (nor stored in) the response cache
+    priority: int = 0  # lower runs first under --scheduling-policy priority (vLLM's field)
     speculative: bool = True  # false: no speculative decoding for this request (where the server runs it)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
