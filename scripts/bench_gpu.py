@@ -62,7 +62,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 def ours(llm: LLM, ps: list[list[int]], out_len: int, device: str) -> float:
     """Output tok/s of LLM.generate over all of `ps` at once (a warm-up run first)."""
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    llm.generate(ps[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    warm = prompts(2, len(ps[0]), llm.engine.model_config.vocab_size, seed=99)  # not a prefix-cache hit for `ps`
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     sync(device)
     t = time.perf_counter()
     outs = llm.generate(ps, params)

@@ -10,11 +10,17 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 mkdir -p "$OUT_DIR"
 SITE=${LLMSERVE_GPU_SITE:-/tmp/llmserve-gpu-site}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+# the tests and the benchmark import none of the server's packages; the wheels serve `llmserve serve`
+shopt -s nullglob
+wheels=(.whl/*.whl)
+if ((${#wheels[@]})); then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || exit 1
+fi
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 1
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py tests/test_cuda.py 2>&1 | tee "$OUT_DIR/tests.log"
+# a hard limit: pytest-timeout may be missing there, and a hang would spend the device's time
+timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_attention.py tests/test_cuda.py 2>&1 | tee "$OUT_DIR/tests.log"
 tests=${PIPESTATUS[0]}
 timeout 300 python3 scripts/bench_gpu.py --json "$OUT_DIR/bench_gpu.json" 2>&1 | tee "$OUT_DIR/bench.log"
 bench=${PIPESTATUS[0]}

@@ -21,7 +21,7 @@ def test_greedy_tokens_equal_transformers_on_the_gpu(model_factory, preset):
     path = model_factory(preset)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().cuda()
     ps = prompts(16, seed=7, lo=3, hi=200)
-    llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=256)
+    llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16)
     outs = llm.generate(ps, GREEDY)  # 16 at once: mixed steps of decodes and chunks
     for p, o in zip(ps, outs, strict=True):
         with torch.no_grad():

@@ -89,6 +89,13 @@ def test_mixed_step_matches_float64_reference(dtype, heads, kvh, hd):
     assert out[3].eq(0).all()  # the padded decode row read nothing
 
 
+def test_a_block_size_that_is_not_a_power_of_two():
+    q, k_cache, v_cache, step = _step(6, 2, 64, torch.float32, block_size=24, seed=4)
+    on = {name: t.to(DEVICE) for name, t in step.items()}
+    out = ta.paged_attention(q.to(DEVICE), None, None, k_cache.to(DEVICE), v_cache.to(DEVICE), scale=0.125, **on).cpu()
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, step, 0.125), **TOL[torch.float32])
+
+
 def test_decode_op_matches_the_decode_rows_of_a_step():
     q, k_cache, v_cache, step = _step(6, 2, 64, torch.float32, block_size=16, seed=1)
     d = step["block_tables"].shape[0]

@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# integer arguments that vary with the step stay unspecialised: Triton would compile a variant
+# for every value 1 and every multiple of 16 it meets
+@triton.jit(do_not_specialize=["stride_k", "stride_v"])
 def _cache_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
                         ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     # one program per token: its kvh * hd values of K and of V into its slot
@@ -46,7 +48,7 @@ def _cache_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride
     tl.store(vc_ptr + slot * ROW + offs, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_tab"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, kc_ptr, vc_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_ptr, seq_of_block_ptr, first_block_ptr,
     scale, num_seqs,
@@ -148,7 +150,7 @@ def _attend(q, k_cache, v_cache, tables, starts, lens, ctx, scale: float) -> tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         G=g, HEAD_DIM=hd, HD_PAD=max(16, triton.next_power_of_2(hd)), BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=max(16, block_size),
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(block_size)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
@@ -160,6 +162,9 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 _LIB: torch.library.Library | None = None
+_META = {"reshape_and_cache": lambda k, v, kv_cache, slot_mapping: None,
+         "paged_attention": lambda q, *rest: torch.empty_like(q),
+         "paged_decode_attention": lambda q, *rest: torch.empty_like(q)}
 SCHEMAS = {
     "reshape_and_cache": "reshape_and_cache(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
     "paged_attention": "paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, "
@@ -179,13 +184,10 @@ def register_cuda_ops() -> None:
         return
     from llmserve import kernels
 
-    cpu_ok = kernels.load()
+    kernels.load()
     _LIB = torch.library.Library("llmserve", "FRAGMENT")
     for name, schema in SCHEMAS.items():
-        if not cpu_ok:
+        if not hasattr(torch.ops.llmserve, name):
             _LIB.define(schema)
+            _LIB.impl(name, _META[name], "Meta")
         _LIB.impl(name, globals()[name], "CUDA")
-    if not cpu_ok:
-        _LIB.impl("reshape_and_cache", lambda k, v, kv_cache, slot_mapping: None, "Meta")
-        _LIB.impl("paged_attention", lambda q, *rest: torch.empty_like(q), "Meta")
-        _LIB.impl("paged_decode_attention", lambda q, *rest: torch.empty_like(q), "Meta")
