@@ -134,3 +134,22 @@ def test_preemptions_are_counted_as_deltas(tiny_model):
     assert m[("llmserve:request_success_total", (("finish_reason", "length"),))] == 3
     assert m[("llmserve:generation_tokens_total", ())] == sum(len(r.output_token_ids) for r in reqs) == 72
     assert m[("llmserve:prompt_tokens_total", ())] == 48  # once per request, however often it was recomputed
+
+
+def test_requests_per_priority_are_gauges(tiny_model):
+    engine = LLMEngine(from_sources(EngineConfig, env={}, dtype="float32", model=tiny_model, num_threads=1, max_num_seqs=2,
+                                    scheduling_policy="priority"))
+    metrics = ServerMetrics(engine.get_stats)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    for i, priority in enumerate((3, 3, -1, 3)):
+        engine.add_request(f"p{i}", [7 + i] * 5, params, priority=priority)
+    engine.step()  # two run: the -1 and the first 3
+    m = scrape(metrics)
+    gauge = "llmserve:num_requests_{}_by_priority"
+    assert m[(gauge.format("running"), (("priority", "-1"),))] == 1
+    assert m[(gauge.format("running"), (("priority", "3"),))] == 1
+    assert m[(gauge.format("waiting"), (("priority", "3"),))] == 2
+    assert m[(gauge.format("waiting"), (("priority", "-1"),))] == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not any(name.endswith("_by_priority") for name, _ in scrape(metrics))  # nothing left: no series

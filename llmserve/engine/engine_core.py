@@ -356,4 +356,5 @@ class LLMEngine:
             kv_store=self.kv_store.stats.as_dict() if self.kv_store else {},
             memory=memory_stats(),
             spec_decode=self.proposer.stats.as_dict() if self.proposer else {},
+            by_priority=self.scheduler.counts_by_priority(),
         )

@@ -96,3 +96,4 @@ class EngineStats:
     kv_store: dict[str, int] = field(default_factory=dict)
     memory: dict[str, int] = field(default_factory=dict)  # the engine's process: llmserve.memory.memory_stats()
     spec_decode: dict[str, Any] = field(default_factory=dict)  # spec_decode.SpecStats.as_dict(), {} when off
+    by_priority: dict[str, list[int]] = field(default_factory=dict)  # priority -> [running, waiting]; {} under fcfs

@@ -70,6 +70,15 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    def counts_by_priority(self) -> dict[str, list[int]]:
+        """Under the priority policy: priority -> [running, waiting] (a metric's labels); {} under fcfs."""
+        counts: dict[str, list[int]] = {}
+        if self.priority:
+            for i, queue in enumerate((self.running, self.waiting)):
+                for req in queue:
+                    counts.setdefault(str(req.priority), [0, 0])[i] += 1
+        return counts
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -92,6 +92,9 @@ class ServerMetrics:
 
         self.running = Gauge("llmserve:num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("llmserve:num_requests_waiting", "Requests waiting for the engine.", registry=r)
+        self.by_priority = {state: Gauge(f"llmserve:num_requests_{state}_by_priority",
+                                         f"Requests {state}, per priority (--scheduling-policy priority).", ("priority",), registry=r)
+                            for state in ("running", "waiting")}
         self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", registry=r)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
@@ -213,6 +216,10 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        for i, gauge in enumerate(self.by_priority.values()):
+            gauge.clear()
+            for priority, counts in stats.by_priority.items():
+                gauge.labels(priority).set(counts[i])
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text format, gauges refreshed first."""
