@@ -180,8 +180,11 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
     compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
     linear = _linear(config.quantize, dtype, attention, model_config)
-    cpu_class = Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
-    return ExecutionPlan(cpu_class, device, dtype, kv, compile_, attention, isa, linear)
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear)
+
+
+def _cpu_class(cpu: CpuInfo) -> Choice:
+    return Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
 
 
 def _auto_device_reason() -> str:
@@ -198,9 +201,7 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
         raise InvalidRequestError(f"{asked} is not supported on a GPU in this release; drop it or use --device cpu")
     if config.attention_backend == "torch":
         raise InvalidRequestError("--attention-backend torch runs on the CPU only; on a GPU attention runs Triton kernels")
-    cpu_class = Choice(cpu.isas[0] + ("+bf16" if cpu.native_bf16 else ""), cpu.describe())
-    device = Choice("cuda", f"{'asked for' if config.device == 'cuda' else 'auto'}: {gpu.name}, "
-                            f"{gpu.memory / 2**30:.0f} GiB")
+    device = Choice("cuda", f"asked for: {gpu.name}, {gpu.memory / 2**30:.0f} GiB")
     if config.dtype != "auto":
         dtype = Choice(config.dtype, "asked for")
     elif gpu.bf16:
@@ -211,7 +212,7 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
         Choice(dtype.value, "auto: the weights' dtype")
     compile_ = Choice("none", "asked for" if config.compile == "none" else
                       "auto: eager; the compiled step graph and CUDA graphs have not run on a GPU yet")
-    return ExecutionPlan(cpu_class, device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
                          Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"))
 
 
