@@ -65,10 +65,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        if self.priority:
-            _insert(self.waiting, request)
-        else:
-            self.waiting.append(request)
+        self._enqueue(self.waiting, request)
 
     def counts_by_priority(self) -> dict[str, list[int]]:
         """Under the priority policy: priority -> [running, waiting] (a metric's labels); {} under fcfs."""
@@ -127,10 +124,7 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 req.timeline.first_scheduled = time.time()
             req.status = RequestStatus.RUNNING
-            if self.priority:
-                _insert(self.running, req)
-            else:
-                self.running.append(req)
+            self._enqueue(self.running, req)
             self._add(out, req, n)
             budget -= n
         return budget
@@ -160,10 +154,16 @@ class Scheduler:
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
+        self._enqueue(self.waiting, req, front=True)
+
+    def _enqueue(self, queue: list[Request] | deque[Request], req: Request, front: bool = False) -> None:
+        """In rank order under the priority policy; else at the back (the front: a preempted request)."""
         if self.priority:
-            _insert(self.waiting, req)
+            _insert(queue, req)
+        elif front:
+            queue.appendleft(req)  # type: ignore[union-attr]
         else:
-            self.waiting.appendleft(req)
+            queue.append(req)
 
     def _preempt_for_better_waiting(self) -> None:
         """Going down the waiting queue, best first: while a waiting request ranks above the
