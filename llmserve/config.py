@@ -62,7 +62,7 @@ class EngineConfig:
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
-    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` on every route but /health")
+    api_key: str | None = _opt(None, "require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health")
     max_waiting: int = _opt(256, "most requests waiting for the engine before 429")
     max_waiting_tokens: int | None = _opt(None, "most prompt tokens waiting before 429")
     max_request_bytes: int = _opt(1 << 20, "largest request body accepted (413 above)")
@@ -70,6 +70,8 @@ class ServerConfig:
     response_cache: bool = _opt(True, "cache whole responses of deterministic requests")
     response_cache_ttl: int = _opt(3600, "response cache TTL in seconds")
     response_cache_bytes: int = _opt(64 << 20, "in-process response cache bound in bytes")
+    response_store_size: int = _opt(10000, "most stored /v1/responses kept in process (store: true; in Redis with --redis-url)")
+    response_store_bytes: int = _opt(64 << 20, "in-process bound in bytes of the stored /v1/responses")
     embedding_backend: str = _opt("onnxruntime", "how the embedding model runs (/v1/embeddings, semantic cache)", ("onnxruntime", "torch"))
     semantic_cache: bool = _opt(False, "answer a question asked again in other words from the response cache")
     semantic_threshold: float = _opt(0.80, "least cosine of two questions for a semantic hit (their key terms must match too)")

@@ -1,5 +1,6 @@
 """GET /openapi.json describes every route, and a schema fuzzer (schemathesis) sending valid and
-invalid bodies to each one never gets a 5xx; every 4xx it gets has the OpenAI error body."""
+invalid bodies to each one never gets a 5xx; every 4xx it gets has the route's error body
+(OpenAI's, or Anthropic's on /v1/messages)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from schemathesis import GenerationMode
 from schemathesis.specs.openapi import checks
 from server_harness import live_server
 
-from llmserve.server.openapi import OPERATIONS
+from llmserve.server.openapi import OPERATIONS, AnthropicErrorResponse
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,6 +45,10 @@ def test_openapi_lists_every_route(server):
     assert chat["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]
     assert chat["security"] == [{"bearer": []}]
+    messages = doc["paths"]["/v1/messages"]["post"]
+    assert messages["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorResponse")
+    assert {"max_tokens", "messages"} <= set(doc["components"]["schemas"]["MessagesRequest"]["required"])
+    assert doc["paths"]["/v1/responses/{response_id}"]["get"]["parameters"][0]["name"] == "response_id"
 
 
 # every route with schema-valid inputs; routes with a body also with invalid ones
@@ -61,7 +66,10 @@ def test_fuzzed_requests_never_get_a_5xx(api_schema, op, mode):
         response = case.call(headers=AUTH, timeout=60)
         case.validate_response(response, checks=[checks.status_code_conformance, checks.content_type_conformance])
         assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
-        if response.status_code >= 400:
+        if response.status_code >= 400 and op.error_body is AnthropicErrorResponse:
+            body = response.json()
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"], response.text[:500]
+        elif response.status_code >= 400:
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text[:500]
 

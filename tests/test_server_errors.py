@@ -13,7 +13,11 @@ pytestmark = pytest.mark.timeout(120)
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CMPL, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
+RESP, MSG, COUNT = "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"
 USER = [{"role": "user", "content": "hi"}]
+ADD = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1}'}
+TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,8 @@ def chunks(total: int, size: int = 64 << 10):
         yield b" " * size
 
 
-# (name, method, path, json body | raw bytes | None, extra headers, status, param, message part)
+# (name, method, path, json body | raw bytes | None, extra headers, status, param, message part);
+# on Anthropic's routes (/v1/messages...) `param` is the expected error.type, as its body has no param
 CASES = [
     ("prompt wrong type", "POST", CMPL, {"prompt": 5}, {}, 400, "prompt", "must be one of"),
     ("max_tokens as a string", "POST", CMPL, {"prompt": "x", "max_tokens": "10"}, {}, 400, "max_tokens", ""),
@@ -94,6 +99,62 @@ CASES = [
     ("unknown route", "POST", "/v1/nothing", {}, {}, 404, None, "/v1/nothing"),
     ("wrong method", "GET", CMPL, None, {}, 405, None, "Method Not Allowed"),
     ("wrong method on health", "DELETE", "/health", None, {}, 405, None, ""),
+    # the Responses API: OpenAI's error shape
+    ("responses input missing", "POST", RESP, {"model": None}, {}, 400, "input", "required"),
+    ("responses input wrong type", "POST", RESP, {"input": 5}, {}, 400, "input", "must be one of"),
+    ("responses empty input", "POST", RESP, {"input": []}, {}, 400, "input", "empty"),
+    ("responses unknown item type", "POST", RESP, {"input": [{"type": "image_generation_call"}]}, {}, 400, "input[0].type", "image_generation_call"),
+    ("responses image part", "POST", RESP, {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, {}, 400, "input[0].content[0]", "text"),
+    ("responses role tool", "POST", RESP, {"input": [{"role": "tool", "content": "x"}]}, {}, 400, "input[0].role", "tool"),
+    ("responses output without its call", "POST", RESP, {"input": [*USER, {"type": "function_call_output", "call_id": "call_9", "output": "3"}]},
+     {}, 400, "input[1].call_id", "call_9"),
+    ("responses call arguments not JSON", "POST", RESP, {"input": [*USER, {**CALL, "arguments": "{a"}]}, {}, 400, "input[1].arguments", "JSON"),
+    ("responses call without call_id", "POST", RESP, {"input": [*USER, {**CALL, "call_id": None}]}, {}, 400, "input[1].call_id", "required"),
+    ("responses unknown previous_response_id", "POST", RESP, {"input": "hi", "previous_response_id": "resp_nope"}, {}, 404,
+     "previous_response_id", "resp_nope"),
+    ("responses background", "POST", RESP, {"input": "hi", "background": True}, {}, 400, "background", "background"),
+    ("responses n=2", "POST", RESP, {"input": "hi", "n": 2}, {}, 400, "n", ""),
+    ("responses web search tool", "POST", RESP, {"input": "hi", "tools": [{"type": "web_search"}]}, {}, 400, "tools[0].type", "function"),
+    ("responses tool without a name", "POST", RESP, {"input": "hi", "tools": [{"type": "function"}]}, {}, 400, "tools[0].name", ""),
+    ("responses tool_choice names no tool", "POST", RESP, {"input": "hi", "tools": [ADD], "tool_choice": {"type": "function", "name": "zz"}},
+     {}, 400, "tool_choice", "zz"),
+    ("responses tool_choice chat-shaped", "POST", RESP, {"input": "hi", "tools": [ADD], "tool_choice": {"type": "allowed_tools"}},
+     {}, 400, "tool_choice", ""),
+    ("responses json_schema without schema", "POST", RESP, {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+     {}, 400, "text.format.schema", ""),
+    ("responses unknown text format", "POST", RESP, {"input": "hi", "text": {"format": {"type": "yaml"}}}, {}, 400, "text.format.type", "yaml"),
+    ("responses unknown include", "POST", RESP, {"input": "hi", "include": ["everything"]}, {}, 400, "include[0]", "everything"),
+    ("responses top_logprobs 30", "POST", RESP, {"input": "hi", "top_logprobs": 30}, {}, 400, "top_logprobs", "20"),
+    ("responses priority as a string", "POST", RESP, {"input": "hi", "priority": "high"}, {}, 400, "priority", ""),
+    ("responses max_output_tokens over the context", "POST", RESP, {"input": "hi", "max_output_tokens": 5000}, {}, 400,
+     "max_output_tokens", "1024"),
+    ("responses unknown model", "POST", RESP, {"input": "hi", "model": "gpt-9"}, {}, 404, "model", "gpt-9"),
+    ("get an unknown response", "GET", f"{RESP}/resp_nope", None, {}, 404, "response_id", "resp_nope"),
+    ("delete an unknown response", "DELETE", f"{RESP}/resp_nope", None, {}, 404, "response_id", "resp_nope"),
+    # the Messages API: Anthropic's error shape, its error.type in the param column
+    ("messages without max_tokens", "POST", MSG, {"messages": USER}, {}, 400, "invalid_request_error", "max_tokens"),
+    ("messages max_tokens 0", "POST", MSG, {"messages": USER, "max_tokens": 0}, {}, 400, "invalid_request_error", "max_tokens"),
+    ("messages empty", "POST", MSG, {"messages": [], "max_tokens": 4}, {}, 400, "invalid_request_error", "empty"),
+    ("messages system role", "POST", MSG, {"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, {}, 400,
+     "invalid_request_error", "user or assistant"),
+    ("messages image block", "POST", MSG, {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4},
+     {}, 400, "invalid_request_error", "image"),
+    ("messages tool_use in a user turn", "POST", MSG, {"messages": [{"role": "user", "content": [TOOL_USE]}], "max_tokens": 4},
+     {}, 400, "invalid_request_error", "tool_use"),
+    ("messages tool_result without its tool_use", "POST", MSG, {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "3"}]}], "max_tokens": 4}, {}, 400, "invalid_request_error", "toolu_9"),
+    ("messages tool_choice tool without a name", "POST", MSG, {"messages": USER, "max_tokens": 4, "tools": [
+        {"name": "add", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool"}}, {}, 400, "invalid_request_error", "name"),
+    ("messages tool without input_schema", "POST", MSG, {"messages": USER, "max_tokens": 4, "tools": [{"name": "add"}]}, {}, 400,
+     "invalid_request_error", "input_schema"),
+    ("messages priority as a string", "POST", MSG, {"messages": USER, "max_tokens": 4, "priority": "1"}, {}, 400, "invalid_request_error", "priority"),
+    ("messages temperature -1", "POST", MSG, {"messages": USER, "max_tokens": 4, "temperature": -1}, {}, 400, "invalid_request_error", "temperature"),
+    ("messages invalid JSON", "POST", MSG, b'{"messages": ', {}, 400, "invalid_request_error", "JSON"),
+    ("messages unknown model", "POST", MSG, {"messages": USER, "max_tokens": 4, "model": "claude-9"}, {}, 404, "not_found_error", "claude-9"),
+    ("messages bad x-api-key", "POST", MSG, {"messages": USER, "max_tokens": 4}, {"Authorization": "", "x-api-key": "wrong"}, 401,
+     "authentication_error", "API key"),
+    ("messages wrong method", "GET", MSG, None, {}, 405, "invalid_request_error", ""),
+    ("count_tokens without messages", "POST", COUNT, {"model": None}, {}, 400, "invalid_request_error", "messages"),
 ]
 
 
@@ -104,8 +165,14 @@ def test_bad_requests_table(server):
             kw = {"json": body} if isinstance(body, dict) else {} if body is None else {"content": body}
             r = client.request(method, path, headers=headers, **kw)
             assert r.status_code == status, (name, r.status_code, r.text[:300])
-            err = r.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"} and err["message"], name
+            if path.startswith(MSG):
+                body = r.json()
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, (name, body)
+                err = {**body["error"], "param": param}
+                assert body["error"]["type"] == param, (name, body)
+            else:
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"], name
             assert param is None or err["param"] == param, (name, err)
             assert part in err["message"], (name, err["message"])
             if status == 405:
@@ -115,6 +182,8 @@ def test_bad_requests_table(server):
         assert client.get("/health", headers={"Authorization": ""}).status_code == 200  # no key needed
         r = client.post(CMPL, json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = client.post(MSG, json={"messages": USER, "max_tokens": 4}, headers={"Authorization": "", "x-api-key": KEY})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4  # Anthropic's header carries the key too
     assert server.stats().num_running == 0 and server.ctx.client.alive
 
 

@@ -118,11 +118,13 @@ def decode_record(raw: bytes, key: str) -> ResponseRecord | None:
 
 
 class InMemoryLRU:
-    """key -> bytes, least recently used evicted first, sum(len(key) + len(value)) <= max_bytes;
-    an entry expires ttl_s after it was set. Not thread-safe (the server's event loop owns it)."""
+    """key -> bytes, least recently used evicted first, sum(len(key) + len(value)) <= max_bytes
+    and at most max_entries entries; an entry expires ttl_s after it was set. Not thread-safe (the
+    server's event loop owns it)."""
 
-    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic, max_entries: int | None = None):
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self.clock = clock
         self.entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # key -> (expires, value)
         self.nbytes = 0
@@ -145,11 +147,17 @@ class InMemoryLRU:
             return False
         if key in self.entries:
             self._drop(key)
-        while self.nbytes + size > self.max_bytes:
+        while self.nbytes + size > self.max_bytes or (self.max_entries is not None and len(self.entries) >= self.max_entries):
             self._drop(next(iter(self.entries)))
             self.evictions += 1
         self.entries[key] = (self.clock() + ttl_s, value)
         self.nbytes += size
+        return True
+
+    def delete(self, key: str) -> bool:
+        if key not in self.entries:
+            return False
+        self._drop(key)
         return True
 
     def _drop(self, key: str) -> None:
@@ -181,6 +189,9 @@ class RedisResponseStore:
 
     async def set(self, key: str, value: bytes, ttl_s: int) -> bool:
         return bool(await self._call(lambda: self.client.set(key, value, ex=ttl_s)))
+
+    async def delete(self, key: str) -> bool:
+        return bool(await self._call(lambda: self.client.delete(key)))
 
     async def _call(self, op: Callable[[], Awaitable[Any]]) -> Any:
         if not self.breaker.allow():

@@ -37,7 +37,17 @@ from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
 from llmserve.engine.client import EngineClient, EngineDoor
 from llmserve.errors import EngineDeadError, LLMServeError
-from llmserve.server import embeddings, native, openai, openapi, playground, router_probe, stats
+from llmserve.server import (
+    embeddings,
+    messages,
+    native,
+    openai,
+    openapi,
+    playground,
+    responses,
+    router_probe,
+    stats,
+)
 from llmserve.server.context import ServerContext, get_context
 from llmserve.server.errors import (
     EXCEPTION_HANDLERS,
@@ -47,6 +57,7 @@ from llmserve.server.errors import (
 )
 from llmserve.server.live import LiveStats
 from llmserve.server.metrics import ServerMetrics
+from llmserve.server.response_store import make_response_store
 from llmserve.server.semantic import make_semantic_cache, start_semantic_cache
 from llmserve.structured import GrammarCompiler
 from llmserve.tokenizer import Tokenizer
@@ -56,7 +67,8 @@ DEATH_LINGER_S = 1.0  # after the core dies: time for error bodies to flush and 
 
 
 class Gate:
-    """ASGI middleware: the API key (--api-key) and the drain (503 once shutdown began)."""
+    """ASGI middleware: the API key (--api-key; as `Authorization: Bearer KEY`, or as Anthropic's
+    clients send it, `x-api-key: KEY`) and the drain (503 once shutdown began)."""
 
     def __init__(self, app: ASGIApp, ctx: ServerContext):
         self.app = app
@@ -67,19 +79,24 @@ class Gate:
             err = self._refusal(Headers(scope=scope))
             if err is not None:
                 headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, AuthenticationError) else None
-                await error_response(err, headers)(scope, receive, send)
+                await error_response(err, headers, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def _refusal(self, headers: Headers) -> LLMServeError | None:
         key = self.ctx.config.api_key
-        if key:
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                return AuthenticationError("invalid or missing API key; send Authorization: Bearer <key>", code="invalid_api_key")
+        if key and not _has_key(headers, key):
+            return AuthenticationError("invalid or missing API key; send Authorization: Bearer <key> (or x-api-key: <key>)", code="invalid_api_key")
         if self.ctx.draining:
             return ShuttingDownError("the server is shutting down", code="shutting_down")
         return None
+
+
+def _has_key(headers: Headers, key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        return True
+    return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), key.encode())
 
 
 async def health(request: Request) -> Response:
@@ -104,6 +121,8 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
                                 engine_config.redis_url, engine_config.redis_timeout)
     tokenizer = Tokenizer(Path(client.info.model_dir))
     ctx = ServerContext(client, tokenizer, config, cache)
+    ctx.responses = make_response_store(config.response_cache_ttl, config.response_store_size, config.response_store_bytes,
+                                        engine_config.redis_url, engine_config.redis_timeout)
     ctx.grammars = GrammarCompiler(tokenizer.fast.to_str(), client.info.vocab_size, client.info.eos_token_ids)
     metrics = ServerMetrics()
     ctx.semantic_cache = make_semantic_cache(ctx, config, engine_config.redis_url, engine_config.redis_timeout, metrics.embedding.observe)
@@ -122,13 +141,14 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
         finally:
             client.abort_all()
             await client.shutdown()
-            for cache in (ctx.response_cache, ctx.semantic_cache):
+            for cache in (ctx.response_cache, ctx.semantic_cache, ctx.responses):
                 if cache is not None:
                     await cache.close()
 
     pages = playground.routes if config.playground else []
     app = Starlette(
-        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *embeddings.routes,
+        routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *responses.routes,
+                *messages.routes, *embeddings.routes,
                 *stats.routes, *router_probe.routes, *openapi.routes, *pages],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]

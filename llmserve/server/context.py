@@ -22,6 +22,7 @@ from llmserve.sampling import SamplingParams
 from llmserve.server.errors import NotFoundError
 from llmserve.server.live import LiveStats
 from llmserve.server.protocol import renamed
+from llmserve.server.response_store import ResponseStore
 from llmserve.structured import COMPILE_TIMEOUT_S, GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
@@ -35,6 +36,7 @@ class ServerContext:
     config: ServerConfig
     response_cache: ResponseCache | None = None  # None: --no-response-cache
     semantic_cache: SemanticCache | None = None  # --semantic-cache (its model loads at start-up)
+    responses: ResponseStore | None = None  # stored /v1/responses (in process, or in Redis with --redis-url)
     live: LiveStats | None = None  # the dashboard's per-second figures (GET /stats/live)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish

@@ -235,9 +235,9 @@ class Generation:
             c.text += out.new_text
             c.token_ids += out.new_token_ids
             c.logprobs += out.new_logprobs
+        c.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            c.finish_reason, c.stop_reason, c.num_cached_tokens = delta.finish_reason, stop_reason, out.num_cached_tokens
-            c.timeline = out.timeline
+            c.finish_reason, c.stop_reason, c.timeline = delta.finish_reason, stop_reason, out.timeline
         return delta
 
     async def run(self) -> list[Choice]:

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from llmserve.embeddings import MAX_TOKENS as EMBEDDING_MAX_TOKENS
 from llmserve.embeddings import MODEL_NAME as EMBEDDING_MODEL
 from llmserve.errors import InvalidRequestError
+from llmserve.server.chat import ChatTurn, chat_generation
 from llmserve.server.context import ServerContext, get_context, new_id
 from llmserve.server.embeddings import available as embeddings_available
 from llmserve.server.generation import Choice, Delta, Generation
@@ -25,15 +26,10 @@ from llmserve.server.logprobs import (
     completion_logprobs,
     merge_completion_logprobs,
 )
-from llmserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_messages,
-    read_json,
-)
-from llmserve.server.semantic import chat_question, prompt_question
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, read_json
+from llmserve.server.semantic import prompt_question
 from llmserve.server.streaming import GenerationStream, dumps, json_response, unless_disconnected
-from llmserve.server.tools import ToolCallParser, ToolPlan, plan_tools, with_tools
+from llmserve.server.tools import ToolCallParser, ToolPlan, plan_tools
 
 
 class _Reply:
@@ -142,23 +138,13 @@ async def create_chat_completion(request: Request) -> Response:
 
 async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float) -> Response:
     ctx.check_model(body.model)
-    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    messages, template_tools = with_tools(chat_messages(body.messages), plan, ctx.tokenizer.takes_tools)
-    ids = ctx.tokenizer.apply_chat_template(messages, body.add_generation_prompt, template_tools)
+    turn = ChatTurn(body.messages, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls), body.add_generation_prompt)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    asked_by = body.structured()[1]
-    if (tool_grammar := plan.structured()) is not None:
-        if params.structured_outputs is not None:
-            raise InvalidRequestError(f"tool_choice {plan.choice!r} holds the output to tool calls; it cannot be combined with {asked_by}", asked_by)
-        params.structured_outputs, asked_by = tool_grammar, "tools"
-    await ctx.check_structured(params, asked_by)
-    question = chat_question(ctx, messages, tools=template_tools, add_generation_prompt=body.add_generation_prompt)
-    gen = Generation(ctx, new_id("chatcmpl"), [ids], params, arrival, use_cache=body.cache, semantic=question,
-                     priority=body.priority)
-    return await _respond(gen, _ChatReply(ctx, gen, body, plan), body.stream)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    gen = await chat_generation(ctx, turn, body, max_tokens, logprobs, new_id("chatcmpl"), arrival)
+    return await _respond(gen, _ChatReply(ctx, gen, body, turn.plan), body.stream)
 
 
 async def _respond(gen: Generation, reply: _Reply, stream: bool) -> Response:

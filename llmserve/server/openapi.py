@@ -2,12 +2,13 @@
 models in protocol.py, so the description cannot drift from what the server validates.
 
 Every route is listed with its request body, its success media types (application/json, and
-text/event-stream where "stream": true is allowed) and the OpenAI-style error body of each 4xx/5xx
-it can answer.
+text/event-stream where "stream": true is allowed) and the error body of each 4xx/5xx it can
+answer: OpenAI's shape, or Anthropic's on its routes.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from starlette.routing import Route
 from llmserve import __version__
 from llmserve.server import playground
 from llmserve.server.context import get_context
+from llmserve.server.messages_protocol import CountTokensRequest, MessagesRequest
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +30,7 @@ from llmserve.server.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from llmserve.server.responses_protocol import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 # no API key, served while draining (Prometheus scrapes, routers probe); the playground's page and
@@ -36,7 +39,7 @@ OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/get_load", *playground.O
 ERROR_STATUSES = {
     400: "Invalid request (the body names the bad parameter in error.param)",
     401: "Missing or wrong API key (with --api-key)",
-    404: "Unknown model",
+    404: "Unknown model (or stored response)",
     413: "Body larger than --max-request-bytes",
     415: "Body is not JSON",
     429: "Server overloaded; retry after the Retry-After header",
@@ -55,6 +58,16 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: str
+    error: AnthropicErrorDetail
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
     path: str
@@ -65,11 +78,19 @@ class Operation:
     success: str = "application/json"
     errors: tuple[int, ...] = (400, 401, 404, 413, 415, 429, 503)
     query: tuple[tuple[str, str], ...] = ()  # (name, JSON type) of optional query parameters
+    error_body: type[BaseModel] = ErrorResponse
 
 
 OPERATIONS = (
     Operation("/v1/completions", "post", "Text completion (OpenAI)", CompletionRequest, streams=True),
     Operation("/v1/chat/completions", "post", "Chat completion (OpenAI)", ChatCompletionRequest, streams=True),
+    Operation("/v1/responses", "post", "Create a response (OpenAI Responses API)", ResponsesRequest, streams=True),
+    Operation("/v1/responses/{response_id}", "get", "A stored response (OpenAI Responses API)", errors=(401, 404)),
+    Operation("/v1/responses/{response_id}", "delete", "Delete a stored response (OpenAI Responses API)", errors=(401, 404)),
+    Operation("/v1/messages", "post", "Create a message (Anthropic Messages API)", MessagesRequest, streams=True,
+              error_body=AnthropicErrorResponse),
+    Operation("/v1/messages/count_tokens", "post", "Count a message's input tokens (Anthropic Messages API)", CountTokensRequest,
+              errors=(400, 401, 404, 413, 415), error_body=AnthropicErrorResponse),
     Operation("/generate", "post", "Generate with per-token timings", GenerateRequest, streams=True),
     Operation("/v1/embeddings", "post", "Text embeddings with all-MiniLM-L6-v2 (OpenAI)", EmbeddingRequest, errors=(400, 401, 404, 413, 415)),
     Operation("/tokenize", "post", "Prompt or chat messages to token ids (vLLM)", TokenizeRequest, errors=(400, 401, 404, 413, 415)),
@@ -92,19 +113,19 @@ OPERATIONS = (
 
 
 def _operation(op: Operation) -> dict[str, Any]:
-    doc: dict[str, Any] = {"summary": op.summary, "operationId": f"{op.method}_{op.path.strip('/').replace('/', '_').strip('{}')}"}
+    doc: dict[str, Any] = {"summary": op.summary, "operationId": f"{op.method}_{re.sub('[{}]', '', op.path.strip('/').replace('/', '_'))}"}
     if op.body is not None:
         doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(model=op.body.__name__)}}}}
-    if "{model}" in op.path:
-        doc["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if names := re.findall(r"{(\w+)}", op.path):
+        doc["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
     if op.query:
         doc["parameters"] = [{"name": n, "in": "query", "required": False, "schema": {"type": t}} for n, t in op.query]
     ok: dict[str, Any] = {"description": "Success"}
     if op.success:
         ok["content"] = {op.success: {"schema": {"type": "object"} if op.success.endswith("json") else {"type": "string"}}}
     if op.streams:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": "SSE: one `data: <json>` event per chunk"}}
-    error = {"application/json": {"schema": {"$ref": REF.format(model="ErrorResponse")}}}
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": "SSE: one `data: <json>` event per chunk (named by an `event:` line on the Responses and Messages routes)"}}
+    error = {"application/json": {"schema": {"$ref": REF.format(model=op.error_body.__name__)}}}
     responses = {"200": ok} | {str(s): {"description": ERROR_STATUSES[s], "content": error} for s in op.errors}
     doc["responses"] = responses
     return doc
@@ -113,7 +134,7 @@ def _operation(op: Operation) -> dict[str, Any]:
 def build_openapi(title: str, secured: bool, pages: bool = True) -> dict[str, Any]:
     """The OpenAPI 3.1 document; `secured`: every route but /health, /metrics, the playground's
     and this one needs a bearer key; `pages`: the playground is served."""
-    models = [op.body for op in OPERATIONS if op.body is not None] + [ErrorResponse]
+    models = list(dict.fromkeys([op.body for op in OPERATIONS if op.body is not None] + [ErrorResponse, AnthropicErrorResponse]))
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:

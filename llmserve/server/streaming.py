@@ -11,7 +11,7 @@ Cancellation paths (each ends in Generation.close(), which aborts unfinished eng
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -24,10 +24,11 @@ from llmserve.errors import LLMServeError
 from llmserve.server.errors import CLIENT_CLOSED_REQUEST, error_body
 from llmserve.server.generation import CACHE_HEADER, Generation
 
-__all__ = ["CACHE_HEADER", "GenerationStream", "dumps", "json_response", "unless_disconnected"]
+__all__ = ["CACHE_HEADER", "Event", "GenerationStream", "dumps", "json_response", "unless_disconnected"]
 
 
 _json = msgspec.json.Encoder()
+Event = bytes | tuple[str, bytes]  # one SSE event: its JSON (a `data:` line), or (name, JSON) with an `event:` line too
 
 
 def dumps(obj: Any) -> bytes:
@@ -41,12 +42,15 @@ def json_response(body: dict, gen: Generation) -> JSONResponse:
 
 
 class GenerationStream(EventSourceResponse):
-    """SSE (`data: <json>` events) over a started Generation; closes it when the response ends.
-    Its headers carry the response cache's verdict (x-llmserve-cache: hit | miss). Events are
-    framed here, as bytes, which sse-starlette sends as they are."""
+    """SSE over a started Generation; closes it when the response ends. Its headers carry the
+    response cache's verdict (x-llmserve-cache: hit | miss). Events are framed here, as bytes,
+    which sse-starlette sends as they are. An error after the headers went out becomes the
+    route's error event (`error_event`; OpenAI's error body by default); OpenAI's chat and
+    completion streams end with `data: [DONE]` (done_marker)."""
 
-    def __init__(self, events: AsyncIterator[bytes], gen: Generation, done_marker: bool, headers: dict[str, str] | None = None):
-        super().__init__(_guard(events, done_marker), headers={**gen.headers, **(headers or {})}, sep="\n")
+    def __init__(self, events: AsyncIterator[Event], gen: Generation, done_marker: bool, headers: dict[str, str] | None = None,
+                 error_event: Callable[[LLMServeError], Event] = lambda e: dumps(error_body(e))):
+        super().__init__(_guard(events, done_marker, error_event), headers={**gen.headers, **(headers or {})}, sep="\n")
         self.generation = gen
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -56,20 +60,21 @@ class GenerationStream(EventSourceResponse):
             self.generation.close()
 
 
-def _event(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
+def _frame(event: Event) -> bytes:
+    if isinstance(event, bytes):
+        return b"data: " + event + b"\n\n"
+    name, payload = event
+    return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
 
 
-async def _guard(events: AsyncIterator[bytes], done_marker: bool) -> AsyncIterator[bytes]:
-    """JSON payloads -> SSE events. An error after the headers went out becomes an error event;
-    OpenAI streams end with [DONE]."""
+async def _guard(events: AsyncIterator[Event], done_marker: bool, error_event: Callable[[LLMServeError], Event]) -> AsyncIterator[bytes]:
     try:
-        async for data in events:
-            yield _event(data)
+        async for event in events:
+            yield _frame(event)
     except LLMServeError as e:
-        yield _event(dumps(error_body(e)))
+        yield _frame(error_event(e))
     if done_marker:
-        yield _event(b"[DONE]")
+        yield _frame(b"[DONE]")
 
 
 async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
