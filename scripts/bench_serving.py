@@ -136,10 +136,12 @@ def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 600) ->
     raise SystemExit("the server did not come up")
 
 
-def _load(url: str, prompts: list[list[int]], output_len: int, concurrency: int | None) -> dict:
+def _load(url: str, prompts: list[list[int]] | list[str], output_len: int, concurrency: int | None, endpoint: str = "/v1/completions") -> dict:
+    """One run of the load tester: every prompt streamed at once (or `concurrency` at a time),
+    each exactly output_len tokens; its throughput, TTFT and ITL."""
     p = argparse.ArgumentParser()
     add_bench_arguments(p)
-    argv = ["--base-url", url, "--ignore-eos", "--disable-tqdm", "--timeout", "600", "--max-duration", "1800"]
+    argv = ["--base-url", url, "--endpoint", endpoint, "--ignore-eos", "--disable-tqdm", "--timeout", "600", "--max-duration", "1800"]
     load_args = p.parse_args(argv + (["--max-concurrency", str(concurrency)] if concurrency else []))
     samples = [SampleRequest(ids, output_len) for ids in prompts]
     records, duration, _ = asyncio.run(run_load(load_args, samples, []))

@@ -76,6 +76,19 @@ def test_chat_endpoint_and_max_duration_bound_the_run(server_url, tmp_path):
     assert any("max-duration" in e for e in s["errors"])
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/responses", "/v1/messages"])
+def test_responses_and_messages_endpoints_are_timed_like_chat(server_url, tmp_path, endpoint):
+    out = tmp_path / "run.json"
+    rc = main(["bench", "serve", "--base-url", server_url, "--endpoint", endpoint, "--num-prompts", "4", "--max-concurrency", "2",
+               "--input-len", "8", "--output-len", "6", "--ignore-eos", "--num-warmups", "0", "--disable-tqdm", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    s, reqs = doc["summary"], doc["requests"]
+    assert rc == 0 and s["successes"] == 4, s["errors"]
+    assert all(r["output_tokens"] == 6 and 1 <= len(r["chunk_times_s"]) <= 6 and r["prompt_tokens"] > 8 for r in reqs)  # a token may hold back its text
+    assert {r["finish_reason"] for r in reqs} == {"incomplete" if endpoint == "/v1/responses" else "max_tokens"}
+    assert s["missing_usage"] == 0 and 0 < s["ttft_ms"]["p50"] <= s["e2el_ms"]["p50"]
+
+
 # `llmserve bench serve`, with a library that logs one INFO line per request (as httpx does)
 NOISY_BENCH = """
 import logging, sys

@@ -8,7 +8,7 @@ import argparse
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
-    s.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    s.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"))
     s.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     s.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
 

@@ -2,9 +2,10 @@
 
 A token chunk is an SSE chunk whose first choice carries text (completions: "text", chat:
 delta "content") or a finish_reason; a role-only or empty chunk is not a token (a server may send
-the role before prefill). TTFT = first token chunk - send; ITL = gaps between token chunks;
-latency (E2EL) = last token chunk - send. Output tokens come from the usage chunk
-(stream_options.include_usage).
+the role before prefill). On the Responses API a token chunk is a response.output_text.delta
+event, on the Messages API a content_block_delta event. TTFT = first token chunk - send; ITL =
+gaps between token chunks; latency (E2EL) = last token chunk - send. Output tokens come from the
+usage chunk (stream_options.include_usage), response.completed or message_delta.
 
 The client is aiohttp (C-accelerated HTTP parsing) and chunks are decoded with msgspec: on a
 machine that the server shares with the load generator, the generator's own CPU time per chunk
@@ -47,16 +48,20 @@ class RequestRecord:
 
 
 def request_body(endpoint: str, model: str | None, sample: SampleRequest, temperature: float, ignore_eos: bool) -> dict:
-    body: dict = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature, "max_tokens": sample.max_tokens}
+    body: dict = {"stream": True, "temperature": temperature}
     if model is not None:
         body["model"] = model
-    if endpoint.endswith("/chat/completions"):
-        if not isinstance(sample.prompt, str):
-            raise ValueError("token-id prompts go to /v1/completions, not chat")
-        body["messages"] = [{"role": "user", "content": sample.prompt}]
-        body["max_completion_tokens"] = sample.max_tokens
-    else:
-        body["prompt"] = sample.prompt
+    if endpoint.endswith("/completions") and not endpoint.endswith("/chat/completions"):
+        body |= {"prompt": sample.prompt, "max_tokens": sample.max_tokens, "stream_options": {"include_usage": True}}
+    elif not isinstance(sample.prompt, str):
+        raise ValueError(f"token-id prompts go to /v1/completions, not {endpoint}")
+    elif endpoint.endswith("/chat/completions"):
+        body |= {"messages": [{"role": "user", "content": sample.prompt}], "max_completion_tokens": sample.max_tokens,
+                 "stream_options": {"include_usage": True}}
+    elif endpoint.endswith("/responses"):
+        body |= {"input": sample.prompt, "max_output_tokens": sample.max_tokens, "store": False}
+    else:  # /v1/messages
+        body |= {"messages": [{"role": "user", "content": sample.prompt}], "max_tokens": sample.max_tokens}
     if ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -78,18 +83,19 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, r
             return
         buffer = b""
         last = st
+        is_token = _EVENT_READERS.get(url.rsplit("/", 1)[-1], _is_token_chunk)
         async for data in resp.content.iter_any():
             now = time.perf_counter()
             *lines, buffer = (buffer + data).split(b"\n")
             for line in lines:
                 if not line.startswith(b"data:"):
                     continue  # blank separators, SSE comments (pings), event names
-                last = _on_data(line[5:].strip(), rec, st, last, now, t0)
+                last = _on_data(line[5:].strip(), rec, st, last, now, t0, is_token)
                 if rec.done or rec.error:
                     return
 
 
-def _on_data(data: bytes, rec: RequestRecord, st: float, last: float, now: float, t0: float) -> float:
+def _on_data(data: bytes, rec: RequestRecord, st: float, last: float, now: float, t0: float, is_token) -> float:
     """One `data:` payload; returns the time of the last token chunk."""
     if data == b"[DONE]":
         rec.done = True
@@ -99,13 +105,13 @@ def _on_data(data: bytes, rec: RequestRecord, st: float, last: float, now: float
     except msgspec.DecodeError:
         rec.error = f"bad chunk: {data[:200].decode(errors='replace')}"
         return last
-    if "error" in obj:
-        rec.error = f"error event: {_json_encode(obj['error']).decode()[:300]}"
+    if "error" in obj or obj.get("type") == "error":
+        rec.error = f"error event: {_json_encode(obj.get('error', obj)).decode()[:300]}"
         return last
-    if obj.get("usage"):
+    if obj.get("usage") and "choices" in obj:
         rec.prompt_tokens = obj["usage"].get("prompt_tokens")
         rec.output_tokens = obj["usage"].get("completion_tokens")
-    if not _is_token_chunk(obj):
+    if not is_token(obj, rec):
         return last
     if rec.ttft_s is None:
         rec.ttft_s = now - st
@@ -113,14 +119,39 @@ def _on_data(data: bytes, rec: RequestRecord, st: float, last: float, now: float
         rec.itl_s.append(now - last)
     rec.chunk_times_s.append(now - t0)
     rec.latency_s = now - st
-    rec.finish_reason = obj["choices"][0].get("finish_reason") or rec.finish_reason
     return now
 
 
-def _is_token_chunk(obj: dict) -> bool:
+def _is_token_chunk(obj: dict, rec: RequestRecord) -> bool:
+    """/v1/completions and /v1/chat/completions chunks."""
     choices = obj.get("choices")
     if not choices:
         return False
     c = choices[0]
     text = c["delta"].get("content") if "delta" in c else c.get("text")
+    rec.finish_reason = c.get("finish_reason") or rec.finish_reason
     return bool(text) or c.get("finish_reason") is not None
+
+
+def _is_response_delta(obj: dict, rec: RequestRecord) -> bool:
+    """/v1/responses events: usage and the end in response.completed."""
+    kind = obj.get("type")
+    if kind == "response.completed":
+        usage, rec.done = obj["response"]["usage"], True
+        rec.prompt_tokens, rec.output_tokens = usage["input_tokens"], usage["output_tokens"]
+        rec.finish_reason = obj["response"]["status"]
+    return kind == "response.output_text.delta" and bool(obj.get("delta"))
+
+
+def _is_message_delta(obj: dict, rec: RequestRecord) -> bool:
+    """/v1/messages events: usage and the stop reason in message_delta, the end at message_stop."""
+    kind = obj.get("type")
+    if kind == "message_delta":
+        usage = obj["usage"]
+        rec.prompt_tokens = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+        rec.output_tokens, rec.finish_reason = usage["output_tokens"], obj["delta"]["stop_reason"]
+    rec.done = rec.done or kind == "message_stop"
+    return kind == "content_block_delta"
+
+
+_EVENT_READERS = {"responses": _is_response_delta, "messages": _is_message_delta}
