@@ -1,10 +1,12 @@
 """The three chat-shaped routes side by side over one server: /v1/chat/completions, /v1/responses
 and /v1/messages, each --num-prompts streams of --input-len random words and exactly
---output-len tokens (EOS ignored), all at once. One `llmserve serve --no-response-cache` serves
-all three; the routes take turns, --rounds times, in a rotated order, each on fresh prompts (so
-none is answered from another's prefix blocks); each figure is the median over the rounds.
-Prints output tok/s, TTFT and ITL per route, and the Responses and Messages routes against chat
-completions: the targets are >= 0.97x its output tok/s and <= +2 ms on its TTFT p50.
+--output-len tokens (EOS ignored), all at once (c32); then --c1-prompts such requests one at a
+time (c1), where TTFT is the route's own cost rather than the wait for 31 other prefills. One
+`llmserve serve --no-response-cache --no-enable-prefix-caching` serves all three, so the routes
+take the very same prompts (fresh each round) without one reading another's prefix blocks; they
+take turns, --rounds times, in a rotated order; each figure is the median over the rounds. Prints output tok/s, TTFT and ITL per route, and the
+Responses and Messages routes against chat completions: the targets are >= 0.97x its c32 output
+tok/s and <= +2 ms on its TTFT p50.
 Usage: python scripts/bench_apis.py [--model DIR] [--rounds 3] [--json OUT]
 """
 
@@ -30,38 +32,46 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--c1-prompts", type=int, default=8, help="requests of the concurrency-1 run (0: skip it)")
     p.add_argument("--input-len", type=int, default=128, help="random words per prompt")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--serve-args", default="", help="extra `llmserve serve` flags")
+    p.add_argument("--serve-args", default="--no-enable-prefix-caching", help="extra `llmserve serve` flags")
     p.add_argument("--json", default=None, metavar="OUT.json")
     args = p.parse_args()
     args.server_env = []
     return args
 
 
-def report(medians: dict[str, dict]) -> str:
-    chat = medians[ROUTES[0]]
-    rows = [[route, m["output_tok_s"], m["output_tok_s"] / chat["output_tok_s"], m["ttft_ms"]["p50"], m["ttft_ms"]["p50"] - chat["ttft_ms"]["p50"],
-             m["itl_ms"]["p50"]] for route, m in medians.items()]
-    return format_table(["route", "output tok/s", "vs chat", "TTFT p50 ms", "vs chat ms", "ITL p50 ms"], rows,
-                        "the same workload on each route (medians over the rounds)") + \
-        "\ntargets: output tok/s >= 0.97x chat completions'; TTFT p50 at most 2 ms above chat completions'"
+def report(medians: dict[str, dict[str, dict]]) -> str:
+    out = []
+    for w, title in (("c32", "all at once"), ("c1", "one at a time")):
+        if w not in medians[ROUTES[0]]:
+            continue
+        chat = medians[ROUTES[0]][w]
+        rows = [[route, m[w]["output_tok_s"], m[w]["output_tok_s"] / chat["output_tok_s"], m[w]["ttft_ms"]["p50"],
+                 m[w]["ttft_ms"]["p50"] - chat["ttft_ms"]["p50"], m[w]["itl_ms"]["p50"]] for route, m in medians.items()]
+        out.append(format_table(["route", "output tok/s", "vs chat", "TTFT p50 ms", "vs chat ms", "ITL p50 ms"], rows,
+                                f"{w}: the same workload on each route, {title} (medians over the rounds)"))
+    out.append("targets: c32 output tok/s >= 0.97x chat completions'; TTFT p50 at most 2 ms above chat completions'")
+    return "\n".join(out)
 
 
 def main() -> int:
     args = parse_args()
     server = OverHTTP(args, list(range(1, args.input_len + 1)))
-    runs: dict[str, list[dict]] = {route: [] for route in ROUTES}
+    workloads = {"c32": (args.num_prompts, None), **({"c1": (args.c1_prompts, 1)} if args.c1_prompts else {})}
+    runs: dict[str, dict[str, list[dict]]] = {route: {w: [] for w in workloads} for route in ROUTES}
     try:
         for r in range(args.rounds):
-            for k, route in enumerate(ROUTES[r % 3:] + ROUTES[: r % 3]):
-                samples = build_dataset("random", args.num_prompts, args.input_len, args.output_len, seed=args.seed + 10 * r + k)
-                runs[route].append(_load(server.url, [s.prompt for s in samples], args.output_len, None, route))
+            for w, (n, concurrency) in workloads.items():
+                samples = build_dataset("random", n, args.input_len, args.output_len, seed=args.seed + 10 * r + (w == "c1"))
+                for route in ROUTES[r % 3:] + ROUTES[: r % 3]:
+                    runs[route][w].append(_load(server.url, [s.prompt for s in samples], args.output_len, concurrency, route))
     finally:
         server.close()
-    medians = {route: _median(figures) for route, figures in runs.items()}
+    medians = {route: {w: _median(figures) for w, figures in by_w.items()} for route, by_w in runs.items()}
     print(report(medians))
     if args.json:
         with open(args.json, "w") as f:

@@ -59,7 +59,7 @@ def request_body(endpoint: str, model: str | None, sample: SampleRequest, temper
         body |= {"messages": [{"role": "user", "content": sample.prompt}], "max_completion_tokens": sample.max_tokens,
                  "stream_options": {"include_usage": True}}
     elif endpoint.endswith("/responses"):
-        body |= {"input": sample.prompt, "max_output_tokens": sample.max_tokens, "store": False}
+        body |= {"input": sample.prompt, "max_output_tokens": sample.max_tokens}
     else:  # /v1/messages
         body |= {"messages": [{"role": "user", "content": sample.prompt}], "max_tokens": sample.max_tokens}
     if ignore_eos:
