@@ -54,6 +54,10 @@ class EngineConfig:
     prompt_lookup_min: int = _opt(2, "shortest suffix n-gram looked up in the sequence (speculative decoding)")
     prompt_lookup_max: int = _opt(4, "longest suffix n-gram looked up in the sequence (speculative decoding)")
     speculative_max_batch: int = _opt(8, "no speculation while more sequences than this run (compute-bound)")
+    enable_lora: bool = _opt(False, "serve LoRA adapters over the base model (--lora-modules, or loaded at run time)")
+    max_loras: int = _opt(4, "most distinct LoRA adapters in one batch")
+    max_lora_rank: int = _opt(16, "largest LoRA rank served")
+    max_cpu_loras: int | None = _opt(None, "LoRA adapters kept in memory, least recently used dropped (default: --max-loras)")
     redis_url: str | None = _opt(None, "Redis URL for the shared response cache and KV tier")
     redis_timeout: float = _opt(0.05, "seconds before a Redis call gives up (it counts as a miss)")
 
@@ -77,6 +81,9 @@ class ServerConfig:
     semantic_threshold: float = _opt(0.80, "least cosine of two questions for a semantic hit (their key terms must match too)")
     semantic_cache_size: int = _opt(10000, "most semantic cache entries (questions) kept")
     playground: bool = _opt(True, "serve the browser playground and dashboard at / and /dashboard")
+    lora_modules: list[str] | None = _opt(None, "LoRA adapters to serve (with --enable-lora): name=path, or JSON "
+                                          '{"name": ..., "path": ..., "base_model_name": ...}; several, space-separated')
+    allow_runtime_lora: bool = _opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
 
@@ -108,6 +115,8 @@ def _parse_bool(s: str) -> bool:
 
 def _field_type(f: dataclasses.Field) -> type:
     t = str(f.type)
+    if t.startswith("list"):
+        return list
     if t.startswith("bool"):
         return bool
     if t.startswith("int"):
@@ -125,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         help_ = f.metadata.get("help", "")
         if typ is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typ is list:
+            parser.add_argument(flag, dest=f.name, nargs="+", default=None, help=help_)
         else:
             parser.add_argument(flag, dest=f.name, type=typ, default=None, choices=f.metadata.get("choices"), help=help_)
 
@@ -138,7 +149,7 @@ def from_sources(cls: type, args: argparse.Namespace | None = None, env: dict[st
         if raw is not None and raw != "":
             typ = _field_type(f)
             try:
-                values[f.name] = _parse_bool(raw) if typ is bool else typ(raw)
+                values[f.name] = _parse_bool(raw) if typ is bool else raw.split() if typ is list else typ(raw)
             except ValueError as e:
                 raise InvalidRequestError(f"LLMSERVE_{f.name.upper()}: {e}") from None
         if args is not None and getattr(args, f.name, None) is not None:

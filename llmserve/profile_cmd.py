@@ -63,9 +63,11 @@ def warmup(engine, prompts: list[list[int]], params) -> None:
     engine.step_records.clear()
 
 
-def run_workload(engine, prompts: list[list[int]], params, gaps: list[float] | None = None) -> tuple[list, float]:
+def run_workload(engine, prompts: list[list[int]], params, gaps: list[float] | None = None,
+                 lora_requests: list | None = None) -> tuple[list, float]:
     """Add prompts `gaps` seconds apart (default: all at once), interleaved with engine steps,
-    and step until all finish: (the engine's Requests, seconds from the first add to the end)."""
+    and step until all finish: (the engine's Requests, seconds from the first add to the end).
+    lora_requests: one LoRARequest (or None) per prompt."""
     requests = []
     t_start = time.time()
     due = t_start
@@ -76,7 +78,8 @@ def run_workload(engine, prompts: list[list[int]], params, gaps: list[float] | N
                 engine.step()
             else:
                 time.sleep(min(due - time.time(), 0.05))
-        requests.append(engine.add_request(f"req-{engine.num_steps}-{i}", ids, params))
+        lora = lora_requests[i] if lora_requests else None
+        requests.append(engine.add_request(f"req-{engine.num_steps}-{i}", ids, params, lora_request=lora))
     while engine.has_unfinished_requests():
         engine.step()
     return requests, time.time() - t_start

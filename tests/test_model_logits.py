@@ -35,8 +35,9 @@ class Paged:
             self.next_block += 1
         return [table[p // self.bs] * self.bs + p % self.bs for p in range(start, start + n)]
 
-    def run(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """chunks: [(seq, new tokens)], decodes (1 token) first. Returns logits [n, vocab] per chunk."""
+    def run(self, chunks: list[tuple[int, list[int]]], lora=None) -> list[torch.Tensor]:
+        """chunks: [(seq, new tokens)], decodes (1 token) first. Returns logits [n, vocab] per chunk.
+        lora: the rows' LoRABatch, when the step has adapters."""
         ids, pos, slots, prefills, dec = [], [], [], [], []
         for seq, toks in chunks:
             start, n = self.lens.get(seq, 0), len(toks)
@@ -56,7 +57,7 @@ class Paged:
             torch.tensor([self.lens[s] for s in dec], dtype=torch.long), prefills,
         )
         with torch.inference_mode():
-            logits = self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta))
+            logits = self.model.compute_logits(self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta, lora))
         out, i = [], 0
         for _, toks in chunks:
             out.append(logits[i : i + len(toks)])

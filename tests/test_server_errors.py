@@ -99,6 +99,9 @@ CASES = [
     ("unknown route", "POST", "/v1/nothing", {}, {}, 404, None, "/v1/nothing"),
     ("wrong method", "GET", CMPL, None, {}, 405, None, "Method Not Allowed"),
     ("wrong method on health", "DELETE", "/health", None, {}, 405, None, ""),
+    ("load an adapter without --allow-runtime-lora", "POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"}, {},
+     400, "lora_name", "--allow-runtime-lora"),
+    ("an adapter's name without --enable-lora", "POST", CMPL, {"prompt": "x", "model": "sql-lora"}, {}, 404, "model", "sql-lora"),
     # the Responses API: OpenAI's error shape
     ("responses input missing", "POST", RESP, {"model": None}, {}, 400, "input", "required"),
     ("responses input wrong type", "POST", RESP, {"input": 5}, {}, 400, "input", "must be one of"),

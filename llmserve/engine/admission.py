@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmserve.errors import InvalidRequestError, PromptTooLongError
+from llmserve.lora.adapter import BaseShapes
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams
 
 
@@ -23,6 +25,9 @@ class EngineInfo:
     pid: int  # of the process that runs the engine
     execution_plan: dict[str, dict[str, str]] = field(default_factory=dict)  # ExecutionPlan.as_dict()
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    max_loras: int = 0  # distinct LoRA adapters in one batch; 0: LoRA is off (--enable-lora)
+    max_lora_rank: int = 0
+    lora_base: BaseShapes | None = None  # what an adapter must fit (the server checks adapters against it)
 
 
 @dataclass(slots=True)
@@ -35,15 +40,18 @@ class EngineCoreRequest:
     max_tokens: int
     arrival_time: float  # time.time(); the clock both processes share
     priority: int = 0  # lower runs first (--scheduling-policy priority)
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
 
 
 def make_core_request(
     info: EngineInfo, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-    priority: int = 0,
+    priority: int = 0, lora_request: LoRARequest | None = None,
 ) -> EngineCoreRequest:
     """Check a request against the engine's limits (typed errors); resolves max_tokens."""
     params.check_vocab(info.vocab_size)
     check_priority(info, priority)
+    if lora_request is not None and not info.max_loras:
+        raise InvalidRequestError("LoRA adapters need the server started with --enable-lora", "model")
     n_prompt = len(prompt_token_ids)
     if n_prompt == 0:
         raise InvalidRequestError("the prompt is empty", "prompt")
@@ -61,7 +69,7 @@ def make_core_request(
             f"the request needs {n_prompt + max_tokens} tokens of KV cache; the cache holds "
             f"{info.num_kv_blocks * info.block_size}", "max_tokens",
         )
-    return EngineCoreRequest(request_id, list(prompt_token_ids), params, max_tokens, arrival_time, priority)
+    return EngineCoreRequest(request_id, list(prompt_token_ids), params, max_tokens, arrival_time, priority, lora_request)
 
 
 def check_priority(info: EngineInfo, priority: object) -> None:

@@ -5,7 +5,9 @@ Invariants:
 - A block with ref_cnt == 0 sits in the free queue (least recently used first). If it still
   carries a block_hash it is also in `cached`, and a later prompt with the same prefix can
   revive it; it is evicted (hash dropped) only when it is handed out as a new block.
-- A full block's hash chains over its parent's hash and its token ids; the chain's root is the
+- A full block's hash chains over its parent's hash and its token ids; under a LoRA adapter the
+  root is the namespace's hashed with the adapter's content hash (the same tokens have other K/V);
+  otherwise the chain's root is the
   namespace (model fingerprint, block size, dtype), so different models never share blocks.
   A hit is confirmed by comparing the block's token ids, not only the hash.
 """
@@ -132,6 +134,7 @@ class KVCacheManager:
     root: bytes = field(init=False)
     tier: ExternalKVTier | None = None  # e.g. Redis, behind the local prefix cache
     tier_asked: set[str] = field(default_factory=set)  # requests that already queried the tier
+    lora_roots: dict[str, bytes] = field(default_factory=dict)  # adapter content hash -> its chains' root
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
@@ -148,6 +151,16 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def root_of(self, request: Request) -> bytes:
+        """The root of the request's hash chains: its adapter's own, or the base model's."""
+        lora = request.lora_request
+        if lora is None:
+            return self.root
+        root = self.lora_roots.get(lora.content_hash)
+        if root is None:
+            root = self.lora_roots[lora.content_hash] = namespace_hash(f"{self.namespace}:lora:{lora.content_hash}")
+        return root
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
@@ -157,7 +170,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         tokens, bs = request.all_token_ids, self.block_size
-        chain = chain_block_hashes(self.root, tokens, bs, (len(tokens) - 1) // bs)  # every candidate block
+        chain = chain_block_hashes(self.root_of(request), tokens, bs, (len(tokens) - 1) // bs)  # every candidate block
         hits: list[KVBlock] = []
         for h, chunk in chain:
             block = self.pool.lookup(h, chunk)
@@ -213,7 +226,7 @@ class KVCacheManager:
         new = []
         for i in range(len(hashes), num_computed_tokens // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash_block(hashes[-1] if hashes else self.root, chunk)
+            h = hash_block(hashes[-1] if hashes else self.root_of(request), chunk)
             hashes.append(h)
             self.pool.register(blocks[i], h, chunk)
             new.append(blocks[i])

@@ -49,6 +49,7 @@ from llmserve.engine.messages import (
 )
 from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams
 
 __all__ = ["EngineClient", "EngineCoreRequest", "EngineDoor", "EngineInfo", "EngineStats", "RequestOutput", "StepOutputs"]
@@ -73,7 +74,7 @@ class EngineDoor(Protocol):
     @property
     def alive(self) -> bool: ...
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                     priority: int = 0) -> EngineCoreRequest: ...
+                     priority: int = 0, lora_request: LoRARequest | None = None) -> EngineCoreRequest: ...
     def num_waiting(self) -> int: ...
     def add_request(self, req: EngineCoreRequest, sink: Sink) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
@@ -159,9 +160,9 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                     priority: int = 0) -> EngineCoreRequest:
+                     priority: int = 0, lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """Validate against the engine's limits (typed errors); nothing is sent yet."""
-        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority)
+        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority, lora_request)
 
     def num_waiting(self) -> int:
         """Requests the core has queued, plus those on their way to it."""

@@ -92,7 +92,7 @@ class EngineCoreProc:
             self.num_added_tokens += len(msg.request.prompt_token_ids)
             try:
                 self.engine.add(msg.request)
-            except errors.LLMServeError as e:  # the server checked it already: never expected
+            except errors.LLMServeError as e:  # a LoRA adapter that cannot be read (the rest the server checked)
                 self.rejected.append((msg.request.request_id, e.message))
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:

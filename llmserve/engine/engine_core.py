@@ -5,6 +5,7 @@ Not thread-safe: one thread drives it (the engine-core process's loop, or LLM.ge
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -25,6 +26,9 @@ from llmserve.engine.request import Request, RequestStatus, Timeline
 from llmserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from llmserve.engine.spec_decode import NgramProposer, SpecConfig
 from llmserve.errors import InvalidRequestError
+from llmserve.lora.layers import num_slots
+from llmserve.lora.manager import LoRAManager, base_shapes
+from llmserve.lora.request import LoRARequest
 from llmserve.memory import memory_stats
 from llmserve.model.compile import check_tensorrt
 from llmserve.model.config import ModelConfig
@@ -72,14 +76,17 @@ class LLMEngine:
         )
         self.proposer = self._proposer(config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.proposer, self.max_model_len,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.max_loras if config.enable_lora else 0)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, config.seed, self.device)
+        self.lora = self._lora_manager(config)
+        self.runner.lora = self.lora
         self.runner.setup_execution(self.plan)
         self.kv_store = self._connect_kv_store(config)
         self.info = EngineInfo(
             self.model_name, str(self.model_dir), self.fingerprint, self.model_config.vocab_size, self.max_model_len,
             config.block_size, self.kv.pool.num_usable, tuple(self.eos_token_ids), os.getpid(), self.plan.as_dict(),
-            config.scheduling_policy,
+            config.scheduling_policy, config.max_loras if config.enable_lora else 0, config.max_lora_rank,
+            base_shapes(self.model_config) if config.enable_lora else None,
         )
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.pending: list[RequestOutput] = []  # abort outputs, returned by the next step
@@ -116,6 +123,22 @@ class LLMEngine:
         store = RedisKVStore(config.redis_url, namespace, shape, self.kv_dtype, timeout_s=config.redis_timeout)
         self.kv.tier = KVTier(store, self.runner.kv_caches)
         return store
+
+    def _lora_manager(self, config: EngineConfig) -> LoRAManager | None:
+        """--enable-lora: adapter slots beside every linear layer (before the step graph compiles)."""
+        if not config.enable_lora:
+            return None
+        if config.max_loras < 1 or config.max_lora_rank < 1:
+            raise InvalidRequestError("--max-loras and --max-lora-rank must be at least 1", "max_loras")
+        slots = self.model.enable_lora(num_slots(config.max_loras), config.max_lora_rank)
+        return LoRAManager(slots, base_shapes(self.model_config), config.max_loras, config.max_cpu_loras or config.max_loras,
+                           config.max_lora_rank)
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        running, waiting = self.scheduler.lora_counts()
+        return {"running": running, "waiting": waiting, "max_lora": self.config.max_loras}
 
     @staticmethod
     def _proposer(config: EngineConfig) -> NgramProposer | None:
@@ -165,19 +188,23 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate (typed errors, a grammar that does not compile among them) and queue a
         request; the live Request, for in-process callers."""
         arrival = time.time() if arrival_time is None else arrival_time
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
-        return self.add(make_core_request(self.info, request_id, prompt_token_ids, params, arrival, priority))
+        return self.add(make_core_request(self.info, request_id, prompt_token_ids, params, arrival, priority, lora_request))
 
     def add(self, core: EngineCoreRequest) -> Request:
-        """Queue a request already checked against self.info (make_core_request)."""
+        """Queue a request already checked against self.info (make_core_request). Its adapter is
+        read now, if it is not in memory yet: one that cannot be read is a typed error here."""
+        lora = core.lora_request
+        if lora is not None:  # the hash that keys its prefix blocks is the weights' own, as read here
+            lora = dataclasses.replace(lora, content_hash=self.lora.adapter(lora).content_hash)  # type: ignore[union-attr]
         req = Request(core.request_id, core.prompt_token_ids, core.sampling_params, core.max_tokens,
-                      self.eos_token_ids, Timeline(core.arrival_time), priority=core.priority)
+                      self.eos_token_ids, Timeline(core.arrival_time), priority=core.priority, lora_request=lora)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
         so = req.sampling_params.structured_outputs
         if so is None:
@@ -357,4 +384,5 @@ class LLMEngine:
             memory=memory_stats(),
             spec_decode=self.proposer.stats.as_dict() if self.proposer else {},
             by_priority=self.scheduler.counts_by_priority(),
+            lora=self._lora_stats(),
         )

@@ -24,6 +24,8 @@ from llmserve import kernels
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler import Sampler, top_logprobs
 from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.lora.layers import MIN_SLOTS, LoRABatch
+from llmserve.lora.manager import LoRAManager
 from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.compile import StepGraph
 from llmserve.model.config import ModelConfig
@@ -35,6 +37,15 @@ logger = logging.getLogger("llmserve.engine")
 
 
 @dataclass(slots=True)
+class LoRAInput:
+    row_slots: torch.Tensor  # [T] the LoRA slot of each row, -1: the base model
+    num_slots: int  # K: the step's adapters sit in slots [0, K)
+
+    def batch(self, dtype: torch.dtype) -> LoRABatch:
+        return LoRABatch.of(self.row_slots, torch.arange(self.num_slots, device=self.row_slots.device), dtype)
+
+
+@dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -43,6 +54,7 @@ class ModelInput:
     sample_requests: list[Request]
     prompt_rows: list[tuple[Request, int, int]]  # (request, flat index, next prompt token)
     spec_rows: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # (request, first flat index, drafts)
+    lora: LoRAInput | None = None  # the rows' adapters, when any row has one
 
     @property
     def logit_rows(self) -> list[int]:
@@ -82,6 +94,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.step_graph: StepGraph | None = None  # set by setup_execution for --compile inductor
         self.unified_attention = False  # every step's rows through llmserve::paged_attention (the Triton kernels)
+        self.lora: LoRAManager | None = None  # --enable-lora: places each step's adapters in the model's slots
 
     def setup_execution(self, plan: ExecutionPlan) -> None:
         """Carry out the plan: the attention backend (and the native kernel's ISA variant), linear
@@ -104,7 +117,7 @@ class ModelRunner:
             logger.info("linear layers packed for oneDNN: %d", packed)
         if plan.compile.value == "inductor":
             graph = StepGraph(self.model)
-            logger.info("compiled step graph ready in %.1f s", graph.warm_up(self.kv_caches))
+            logger.info("compiled step graph ready in %.1f s", graph.warm_up(self.kv_caches, lora=self.lora is not None))
             self.step_graph = graph
 
     def forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -113,9 +126,11 @@ class ModelRunner:
         which need the hidden states."""
         g, rows = self.step_graph, inp.logit_rows
         if g is not None and not inp.prompt_rows:
-            logits = g(inp.input_ids, inp.positions, self.kv_caches, inp.meta, rows)  # writes the cache even with no rows
+            lora = (inp.lora.row_slots, inp.lora.num_slots) if inp.lora is not None else None
+            logits = g(inp.input_ids, inp.positions, self.kv_caches, inp.meta, rows, lora)  # writes the cache even with no rows
             return None, logits if rows else None
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        lora = inp.lora.batch(self.model.embed_tokens.weight.dtype) if inp.lora is not None else None
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, lora)
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         return hidden, logits
 
@@ -161,7 +176,20 @@ class ModelRunner:
         )
         if self.unified_attention:  # every row through the one Triton kernel
             meta.prefills, meta.prefill_batch = [], _prefill_batch(prefill_seqs, dev)
-        return ModelInput(_on(dev, ids), _on(dev, pos), meta, sample_rows, sample_reqs, prompt_rows, spec_rows)
+        lora = self._lora_input(decodes + prefills) if self.lora is not None else None
+        return ModelInput(_on(dev, ids), _on(dev, pos), meta, sample_rows, sample_reqs, prompt_rows, spec_rows, lora)
+
+    def _lora_input(self, scheduled: list) -> LoRAInput | None:
+        """Each row's slot, with the step's adapters placed in the first slots; None when no row has one."""
+        active = list(dict.fromkeys(s.request.lora_request for s in scheduled if s.request.lora_request is not None))
+        if not active:
+            return None
+        slot_of = self.lora.prepare(active)  # type: ignore[union-attr]
+        row_slots: list[int] = []
+        for s in scheduled:
+            lora = s.request.lora_request
+            row_slots += [slot_of[lora.lora_int_id] if lora is not None else -1] * s.num_tokens
+        return LoRAInput(_on(self.device, row_slots), max(MIN_SLOTS, len(active)))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

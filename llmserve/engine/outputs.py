@@ -97,3 +97,4 @@ class EngineStats:
     memory: dict[str, int] = field(default_factory=dict)  # the engine's process: llmserve.memory.memory_stats()
     spec_decode: dict[str, Any] = field(default_factory=dict)  # spec_decode.SpecStats.as_dict(), {} when off
     by_priority: dict[str, list[int]] = field(default_factory=dict)  # priority -> [running, waiting]; {} under fcfs
+    lora: dict[str, Any] = field(default_factory=dict)  # --enable-lora: {"running": [names], "waiting": [names], "max_lora": n}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmserve.engine.outputs import Timeline, TokenLogprobs
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams
 
 __all__ = ["Request", "RequestStatus", "Timeline", "TokenLogprobs"]
@@ -45,6 +46,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     matcher: Any = None  # llguidance.LLMatcher of a structured request: it has consumed every output token
+    lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

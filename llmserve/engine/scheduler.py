@@ -11,6 +11,10 @@ budget goes to the best running requests, the best waiting one is admitted first
 running one is preempted, and a waiting request better than the worst running one preempts it
 when it waits for a batch slot or for blocks (vLLM preempts only for memory).
 
+With LoRA (max_loras > 0), the running requests use at most max_loras distinct adapters. A
+waiting request whose adapter would exceed that stays waiting; behind it only base-model
+requests are admitted, so the running adapters drain and it is never starved.
+
 With a proposer (speculative decoding), a decode may carry draft tokens: it then computes
 1 + len(drafts) tokens, and only those the sampler accepts are committed (commit()).
 """
@@ -51,8 +55,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 30, policy: str = "fcfs"):
+                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 30, policy: str = "fcfs", max_loras: int = 0):
         self.kv = kv
+        self.max_loras = max_loras
         self.priority = policy == "priority"
         self.proposer = proposer
         self.max_model_len = max_model_len
@@ -110,14 +115,23 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        held_back = False  # a request waits for an adapter slot: only base-model requests pass it
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            lora = req.lora_request
+            if lora is not None and (held_back or (lora.lora_int_id not in adapters and len(adapters) >= self.max_loras)):
+                held_back = True
+                continue
             computed = self.kv.get_computed_blocks(req)
             num_cached = len(computed) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, computed):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             req.num_computed_tokens = num_cached
             if req.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
                 self.kv.record_prefix_query(req, computed)
@@ -128,6 +142,13 @@ class Scheduler:
             self._add(out, req, n)
             budget -= n
         return budget
+
+    def lora_counts(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running and of the waiting requests (names, each once)."""
+        def names(queue) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in queue if r.lora_request is not None})
+
+        return names(self.running), names(self.waiting)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Drafts for a decode, within the step's budget, max_tokens and the context length."""

@@ -32,6 +32,7 @@ import time
 import torch
 
 from llmserve.errors import LLMServeError
+from llmserve.lora.layers import WARM_UP_SLOTS, LoRABatch
 from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.paths import cache_dir
 
@@ -98,13 +99,18 @@ class StepGraph:
         options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
         self.fn = torch.compile(self._step, fullgraph=True, dynamic=False, options=options)
 
-    def _step(self, ids, positions, slots, tables, seq_lens, starts, lens, contexts, prefill_tables, rows, kv_caches):
+    def _step(self, ids, positions, slots, tables, seq_lens, starts, lens, contexts, prefill_tables, rows, kv_caches,
+              row_slots=None, slot_ids=None):
         meta = AttentionMetadata(slots, tables.shape[0], tables, seq_lens, [],
                                  prefill_batch=PrefillBatch(starts, lens, contexts, prefill_tables))
-        return self.model.compute_logits(self.model(ids, positions, kv_caches, meta)[rows])
+        lora = None if row_slots is None else LoRABatch.of(row_slots, slot_ids, self.model.embed_tokens.weight.dtype)
+        return self.model.compute_logits(self.model(ids, positions, kv_caches, meta, lora)[rows])
 
-    def __call__(self, ids, positions, kv_caches, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
-        """Logits [len(rows), vocab] fp32 of flat rows `rows` (ids, positions, meta as model.forward)."""
+    def __call__(self, ids, positions, kv_caches, meta: AttentionMetadata, rows: list[int],
+                 lora: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+        """Logits [len(rows), vocab] fp32 of flat rows `rows` (ids, positions, meta as model.forward);
+        lora: (each row's slot [T], -1 for none; K, the slots in use), when the step has adapters.
+        A step without adapters runs a graph without LoRA: it costs nothing then."""
         d, pad = meta.num_decodes, max(MIN_ROWS - meta.num_decodes, 0)
         z = ids.new_zeros(pad)
         ids, positions, slots = (torch.cat([x[:d], z, x[d:]]) for x in (ids, positions, meta.slot_mapping))
@@ -124,10 +130,17 @@ class StepGraph:
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(tables, 1)
         torch._dynamo.mark_dynamic(prefill_tables, 1)
-        return self.fn(*args, kv_caches)[: len(rows)]
+        if lora is None:
+            return self.fn(*args, kv_caches)[: len(rows)]
+        row_slots = torch.cat([lora[0][:d], torch.full_like(z, -1), lora[0][d:]])
+        slot_ids = torch.arange(lora[1], device=row_slots.device)
+        for t in (row_slots, slot_ids):
+            torch._dynamo.mark_dynamic(t, 0)
+        return self.fn(*args, kv_caches, row_slots, slot_ids)[: len(rows)]
 
-    def warm_up(self, kv_caches: list[torch.Tensor]) -> float:
-        """Compile (or load from the cache) the graph; returns the seconds it took."""
+    def warm_up(self, kv_caches: list[torch.Tensor], lora: bool = False) -> float:
+        """Compile (or load from the cache) the graph, and with `lora` the graph for steps with
+        adapters too; returns the seconds it took."""
         last = cache_dir("inductor") / "last_compile_seconds"
         misses = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"]
         t = time.perf_counter()
@@ -139,23 +152,27 @@ class StepGraph:
                     torch._dynamo.mark_dynamic(cache, 1)
                 ids, positions, meta, rows = _warm_up_step()
                 self(ids, positions, kv_caches, meta, rows)
+                if lora:  # another shape, so that K is like no other size
+                    ids, positions, meta, rows = _warm_up_step(decodes=4)
+                    self(ids, positions, kv_caches, meta, rows, (torch.full_like(ids, -1), WARM_UP_SLOTS))
         elapsed = time.perf_counter() - t
         if torch._dynamo.utils.counters["inductor"]["fxgraph_cache_miss"] > misses:  # a compile, not a cache load
             last.write_text(f"{elapsed:.1f}")
         return elapsed
 
 
-def _warm_up_step() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-    """A mixed step wholly in the null block: 3 decode rows (tables 4 wide), a fresh chunk of 3
-    tokens and a continued one of 4 (tables 5 wide), 6 logit rows. Every dynamic size differs from
-    the others, or dynamo would give equal sizes one symbol and recompile when they part."""
-    decodes, t = 3, 10
-    null = torch.zeros(5, dtype=torch.long)
-    chunks = [PrefillSeq(3, 3, 3, null), PrefillSeq(6, 4, 6, null)]
-    meta = AttentionMetadata(torch.zeros(t, dtype=torch.long), decodes, torch.zeros(decodes, 4, dtype=torch.long),
+def _warm_up_step(decodes: int = 3) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """A mixed step wholly in the null block: `decodes` decode rows (tables decodes + 1 wide), a
+    fresh chunk of 3 tokens and a continued one of 4 (tables decodes + 2 wide), decodes + 3 logit
+    rows. Every dynamic size differs from the others, or dynamo would give equal sizes one symbol
+    and recompile when they part."""
+    t = decodes + 7
+    null = torch.zeros(decodes + 2, dtype=torch.long)
+    chunks = [PrefillSeq(decodes, 3, 3, null), PrefillSeq(decodes + 3, 4, 6, null)]
+    meta = AttentionMetadata(torch.zeros(t, dtype=torch.long), decodes, torch.zeros(decodes, decodes + 1, dtype=torch.long),
                              torch.ones(decodes, dtype=torch.long), chunks)
     positions = torch.cat([torch.zeros(decodes, dtype=torch.long), torch.arange(3), torch.arange(2, 6)])
-    return torch.zeros(t, dtype=torch.long), positions, meta, [0, 1, 2, 5, 8, 9]
+    return torch.zeros(t, dtype=torch.long), positions, meta, [*range(decodes), decodes + 2, decodes + 5, decodes + 6]
 
 
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 Shapes: the batch is flat. input_ids/positions: [T]; hidden states: [T, hidden_size].
 Weights are fused at load time: qkv_proj = [q; k; v], gate_up_proj = [gate; up].
+With LoRA enabled (enable_lora), each fused linear has a LoRASlots beside it, and a step that
+uses adapters passes a LoRABatch: its rows' deltas are added to the base linear's output.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.lora.layers import LoRABatch, LoRASlots
 from llmserve.model.attention import AttentionMetadata, KVCacheAttention
 from llmserve.model.config import ModelConfig
 
@@ -72,6 +75,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def with_lora(linear: nn.Module, slots: LoRASlots | None, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    """linear(x), plus each row's adapter delta when the step has adapters."""
+    y = linear(x)
+    return y if lora is None or slots is None else y + slots(x, lora)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -80,14 +89,16 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = KVCacheAttention(self.h, self.kvh, self.hd)
+        self.qkv_lora: LoRASlots | None = None
+        self.o_lora: LoRASlots | None = None
 
-    def forward(self, x, rope, kv_cache, meta):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x, rope, kv_cache, meta, lora=None):
+        q, k, v = with_lora(self.qkv_proj, self.qkv_lora, x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         q = apply_rotary(q.view(t, self.h, self.hd), *rope)
         k = apply_rotary(k.view(t, self.kvh, self.hd), *rope)
         out = self.attn(q, k, v.view(t, self.kvh, self.hd), kv_cache, meta)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return with_lora(self.o_proj, self.o_lora, out.reshape(t, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -96,10 +107,12 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.gate_up_lora: LoRASlots | None = None
+        self.down_lora: LoRASlots | None = None
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, lora=None):
+        gate, up = with_lora(self.gate_up_proj, self.gate_up_lora, x, lora).split(self.inter, dim=-1)
+        return with_lora(self.down_proj, self.down_lora, F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -110,9 +123,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, kv_cache, meta, lora=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,6 +145,20 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.attn.native = bool(enabled)
 
+    def enable_lora(self, num_slots: int, max_rank: int) -> dict[tuple[int, str], LoRASlots]:
+        """A LoRASlots beside every fused linear; (layer, fused layer name) -> its slots."""
+        cfg, out = self.config, {}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_lora = LoRASlots(cfg.hidden_size, [attn.q_size, attn.kv_size, attn.kv_size], num_slots, max_rank)
+            attn.o_lora = LoRASlots(attn.q_size, [cfg.hidden_size], num_slots, max_rank)
+            mlp.gate_up_lora = LoRASlots(cfg.hidden_size, [mlp.inter, mlp.inter], num_slots, max_rank)
+            mlp.down_lora = LoRASlots(mlp.inter, [cfg.hidden_size], num_slots, max_rank)
+            for name, slots in (("qkv_proj", attn.qkv_lora), ("o_proj", attn.o_lora), ("gate_up_proj", mlp.gate_up_lora),
+                                ("down_proj", mlp.down_lora)):
+                out[(i, name)] = slots.to(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+        return out
+
     @property
     def native_decode(self) -> bool:
         return self.layers[0].self_attn.attn.native
@@ -142,11 +169,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # one per layer
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,  # the rows' adapters, when the step has any
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         x = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, cache, meta)
+            x = layer(x, rope, cache, meta, lora)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32

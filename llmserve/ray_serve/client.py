@@ -29,6 +29,7 @@ from llmserve.engine.client import Sink, check_waiting, deliver
 from llmserve.engine.messages import StepOutputs
 from llmserve.engine.outputs import EngineStats, RequestOutput
 from llmserve.errors import EngineDeadError, LLMServeError
+from llmserve.lora.request import LoRARequest
 from llmserve.profiling import STAGES
 from llmserve.ray_serve.board import READ_INTERVAL_S, get_board, sum_stats
 from llmserve.sampling import SamplingParams
@@ -96,8 +97,8 @@ class RayEngineClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                     priority: int = 0) -> EngineCoreRequest:
-        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority)
+                     priority: int = 0, lora_request: LoRARequest | None = None) -> EngineCoreRequest:
+        return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority, lora_request)
 
     def num_waiting(self) -> int:
         """Requests sent that have no output yet (queued in the router or in a replica)."""

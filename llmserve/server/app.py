@@ -35,10 +35,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
-from llmserve.engine.client import EngineClient, EngineDoor
-from llmserve.errors import EngineDeadError, LLMServeError
+from llmserve.engine.client import EngineClient, EngineDoor, EngineInfo
+from llmserve.errors import EngineDeadError, InvalidRequestError, LLMServeError
 from llmserve.server import (
     embeddings,
+    lora,
     messages,
     native,
     openai,
@@ -56,6 +57,7 @@ from llmserve.server.errors import (
     error_response,
 )
 from llmserve.server.live import LiveStats
+from llmserve.server.lora import LoRARegistry, parse_module
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.response_store import make_response_store
 from llmserve.server.semantic import make_semantic_cache, start_semantic_cache
@@ -124,6 +126,7 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
     ctx.responses = make_response_store(config.response_cache_ttl, config.response_store_size, config.response_store_bytes,
                                         engine_config.redis_url, engine_config.redis_timeout)
     ctx.grammars = GrammarCompiler(tokenizer.fast.to_str(), client.info.vocab_size, client.info.eos_token_ids)
+    ctx.loras = served_adapters(client.info, config)
     metrics = ServerMetrics()
     ctx.semantic_cache = make_semantic_cache(ctx, config, engine_config.redis_url, engine_config.redis_timeout, metrics.embedding.observe)
     metrics.attach(client, lambda: ctx.response_cache_stats, ctx.semantic_cache and (lambda: ctx.semantic_cache.stats))
@@ -148,7 +151,7 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
     pages = playground.routes if config.playground else []
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]), metrics.route(), *native.routes, *openai.routes, *responses.routes,
-                *messages.routes, *embeddings.routes,
+                *messages.routes, *lora.routes, *embeddings.routes,
                 *stats.routes, *router_probe.routes, *openapi.routes, *pages],
         middleware=[Middleware(Gate, ctx=ctx)],
         exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
@@ -157,6 +160,19 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
     app.state.ctx = ctx
     app.state.metrics = metrics
     return app
+
+
+def served_adapters(info: EngineInfo, config: ServerConfig) -> LoRARegistry:
+    """The registry of LoRA adapters, with --lora-modules read and checked (a typed error, which
+    stops the start, for one that cannot be served)."""
+    registry = LoRARegistry(info)
+    if config.lora_modules and not info.max_loras:
+        raise InvalidRequestError("--lora-modules needs --enable-lora", "lora_modules")
+    for spec in config.lora_modules or []:
+        served = registry.check(*parse_module(spec))
+        registry.add(served)
+        logger.info("LoRA adapter %s (rank up to %d) from %s", served.request.lora_name, info.max_lora_rank, served.request.lora_path)
+    return registry
 
 
 class GracefulServer(uvicorn.Server):

@@ -39,7 +39,9 @@ class ChatTurn:
 
 async def chat_generation(ctx: ServerContext, turn: ChatTurn, fields: SamplingFields, max_tokens: int | None,
                           logprobs: int | None, request_id: str, arrival: float) -> Generation:
-    """The Generation for one chat turn (not started): 400s for what the request got wrong."""
+    """The Generation for one chat turn (not started), under the adapter `model` names: 404 for
+    an unknown model, 400s for what the request got wrong."""
+    lora = ctx.check_model(fields.model)
     messages, template_tools = turn.template_inputs(ctx)
     ids = ctx.tokenizer.apply_chat_template(messages, turn.add_generation_prompt, template_tools)
     params = fields.sampling_params(max_tokens, logprobs)
@@ -50,7 +52,8 @@ async def chat_generation(ctx: ServerContext, turn: ChatTurn, fields: SamplingFi
         params.structured_outputs, asked_by = tool_grammar, "tools"
     await ctx.check_structured(params, asked_by)
     question = chat_question(ctx, messages, tools=template_tools, add_generation_prompt=turn.add_generation_prompt)
-    return Generation(ctx, request_id, [ids], params, arrival, use_cache=fields.cache, semantic=question, priority=fields.priority)
+    return Generation(ctx, request_id, [ids], params, arrival, use_cache=fields.cache, semantic=question, priority=fields.priority,
+                      lora=lora)
 
 
 Piece = str | dict  # content text, or one finished tool call in OpenAI's chat shape

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
@@ -26,6 +26,10 @@ from llmserve.server.response_store import ResponseStore
 from llmserve.structured import COMPILE_TIMEOUT_S, GrammarCompiler
 from llmserve.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llmserve.lora.request import LoRARequest
+    from llmserve.server.lora import LoRARegistry
+
 logger = logging.getLogger("llmserve.server")
 
 
@@ -37,6 +41,7 @@ class ServerContext:
     response_cache: ResponseCache | None = None  # None: --no-response-cache
     semantic_cache: SemanticCache | None = None  # --semantic-cache (its model loads at start-up)
     responses: ResponseStore | None = None  # stored /v1/responses (in process, or in Redis with --redis-url)
+    loras: LoRARegistry | None = None  # the LoRA adapters a request may name in `model` (--enable-lora)
     live: LiveStats | None = None  # the dashboard's per-second figures (GET /stats/live)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503, in-flight ones finish
@@ -64,10 +69,15 @@ class ServerContext:
         """hits, misses, errors, rejected, stored (all zero when the cache is off)."""
         return self.response_cache.stats if self.response_cache is not None else ResponseCacheStats()
 
-    def check_model(self, name: str | None) -> None:
-        """`model` may be omitted; otherwise it must name the served model."""
-        if name is not None and name != self.model_name:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """`model` may be omitted; otherwise it must name the served model (None) or one of its
+        LoRA adapters (the adapter's LoRARequest)."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.loras.lookup(name) if self.loras is not None else None
+        if lora is None:
             raise NotFoundError(f"the model `{name}` does not exist; this server serves `{self.model_name}`", "model", "model_not_found")
+        return lora
 
     async def check_structured(self, params: SamplingParams, asked_by: str) -> None:
         """Compile the request's grammar once, off the event loop, within COMPILE_TIMEOUT_S; a

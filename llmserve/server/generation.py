@@ -30,6 +30,7 @@ from llmserve.cache.response_cache import ResponseRecord, cache_key
 from llmserve.cache.semantic_cache import SemanticLookup, SemanticQuery
 from llmserve.engine.client import EngineCoreRequest
 from llmserve.engine.outputs import RequestOutput, Timeline, TokenLogprobs
+from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams, fan_out
 from llmserve.server.context import ServerContext
 from llmserve.server.errors import ShuttingDownError
@@ -84,15 +85,17 @@ class Generation:
         use_cache: bool = True,  # the request's "cache" field
         semantic: SemanticQuery | None = None,  # the question, where the route allows a semantic hit
         priority: int = 0,  # the request's "priority" field
+        lora: LoRARequest | None = None,  # the adapter `model` named; None: the base model
     ):
         self.ctx = ctx
         self.request_id = request_id
         self.prompts = prompts
         self.score_only = score_only
+        self.lora = lora
         arrival = time.time() if arrival is None else arrival
         make = ctx.client.make_request
         self.choices = [
-            Choice(s.index, s.prompt_index, make(s.request_id, prompts[s.prompt_index], s.params, arrival, priority))
+            Choice(s.index, s.prompt_index, make(s.request_id, prompts[s.prompt_index], s.params, arrival, priority, lora))
             for s in fan_out(request_id, len(prompts), params)
         ]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
@@ -111,8 +114,13 @@ class Generation:
             return None
         return cache_key(
             self.ctx.client.info.fingerprint, self.prompts, params.canonical(), score_only=self.score_only,
-            max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids),
+            max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids), lora=self._lora_key,
         )
+
+    @property
+    def _lora_key(self) -> str | None:
+        """The adapter's weights (by hash), where a cache entry must match them."""
+        return self.lora.content_hash if self.lora is not None else None
 
     def _semantic_scope(self, params: SamplingParams, query: SemanticQuery | None) -> str | None:
         """Everything but the question that a semantic hit must share (None: not eligible)."""
@@ -120,7 +128,7 @@ class Generation:
             return None
         return cache_key(
             self.ctx.client.info.fingerprint, [], params.canonical(), semantic=query.context,
-            max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids),
+            max_model_len=self.ctx.max_model_len, eos=list(self.ctx.client.info.eos_token_ids), lora=self._lora_key,
         )
 
     @property

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,9 @@ class ServerMetrics:
         self.by_priority = {state: Gauge(f"llmserve:num_requests_{state}_by_priority",
                                          f"Requests {state}, per priority (--scheduling-policy priority).", ("priority",), registry=r)
                             for state in ("running", "waiting")}
+        self.lora_info = Gauge("llmserve:lora_requests_info", "LoRA adapters of the running and waiting requests (--enable-lora; "
+                               "the value is the time of the reading, as vLLM's)",
+                               ("running_lora_adapters", "waiting_lora_adapters", "max_lora"), registry=r)
         self.kv_usage = Gauge("llmserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", registry=r)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill finished.")
@@ -220,6 +224,10 @@ class ServerMetrics:
             gauge.clear()
             for priority, counts in stats.by_priority.items():
                 gauge.labels(priority).set(counts[i])
+        self.lora_info.clear()
+        if stats.lora:
+            lora = stats.lora
+            self.lora_info.labels(",".join(lora["running"]), ",".join(lora["waiting"]), str(lora["max_lora"])).set(time.time())
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text format, gauges refreshed first."""

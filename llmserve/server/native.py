@@ -46,14 +46,14 @@ async def generate(request: Request) -> Response:
 
 
 async def _generate(ctx: ServerContext, body: GenerateRequest, arrival: float) -> Response:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     if body.n != 1:
         raise InvalidRequestError("/generate makes one sequence (n must be 1); use /v1/completions for more", "n")
     ids = _prompt_ids(ctx, body)
     params = body.sampling_params(body.max_tokens, logprobs=body.logprobs or 0)
     await ctx.check_structured(params, body.structured()[1])
     gen = Generation(ctx, new_id("gen"), [ids], params, arrival, use_cache=body.cache, semantic=_question(ctx, body),
-                     priority=body.priority)
+                     priority=body.priority, lora=lora)
     await gen.start()
     if body.stream:
         return GenerationStream(_events(ctx, gen), gen, done_marker=False)

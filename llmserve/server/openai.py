@@ -70,7 +70,7 @@ def _prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list
 
 
 async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: float) -> Response:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     prompts = _prompts(ctx, body.prompt)
     score_only = body.max_tokens == 0 and body.echo
     if body.max_tokens == 0 and not body.echo:
@@ -79,7 +79,7 @@ async def _completion(ctx: ServerContext, body: CompletionRequest, arrival: floa
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, prompt_logprobs)
     await ctx.check_structured(params, body.structured()[1])
     question = None if body.echo else prompt_question(ctx, body.prompt)
-    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache, question, body.priority)
+    gen = Generation(ctx, new_id("cmpl"), prompts, params, arrival, score_only, body.cache, question, body.priority, lora)
     return await _respond(gen, _CompletionReply(ctx, gen, body), body.stream)
 
 
@@ -235,12 +235,15 @@ class _ChatReply(_Reply):
 
 
 def model_cards(ctx: ServerContext) -> list[dict]:
-    """The served model, and the embedding model when it is installed."""
-    def card(name: str, root: str, max_len: int) -> dict:
-        return {"id": name, "object": "model", "created": ctx.created, "owned_by": "llmserve", "root": root,
-                "parent": None, "max_model_len": max_len}
+    """The served model, its LoRA adapters (parent: the base; root: the adapter's path) and the
+    embedding model when it is installed."""
+    def card(name: str, root: str, max_len: int, parent: str | None = None, created: int | None = None) -> dict:
+        return {"id": name, "object": "model", "created": created or ctx.created, "owned_by": "llmserve", "root": root,
+                "parent": parent, "max_model_len": max_len}
 
     cards = [card(ctx.model_name, ctx.client.info.model_dir, ctx.max_model_len)]
+    for a in (ctx.loras.adapters.values() if ctx.loras is not None else ()):
+        cards.append(card(a.request.lora_name, a.request.lora_path, ctx.max_model_len, a.parent, a.created))
     if embeddings_available():
         cards.append(card(EMBEDDING_MODEL, EMBEDDING_MODEL, EMBEDDING_MAX_TOKENS))
     return cards

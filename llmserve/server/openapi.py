@@ -21,6 +21,7 @@ from starlette.routing import Route
 from llmserve import __version__
 from llmserve.server import playground
 from llmserve.server.context import get_context
+from llmserve.server.lora import LoadLoRARequest, UnloadLoRARequest
 from llmserve.server.messages_protocol import CountTokensRequest, MessagesRequest
 from llmserve.server.protocol import (
     ChatCompletionRequest,
@@ -91,6 +92,10 @@ OPERATIONS = (
               error_body=AnthropicErrorResponse),
     Operation("/v1/messages/count_tokens", "post", "Count a message's input tokens (Anthropic Messages API)", CountTokensRequest,
               errors=(400, 401, 404, 413, 415), error_body=AnthropicErrorResponse),
+    Operation("/v1/load_lora_adapter", "post", "Load a LoRA adapter (vLLM; with --enable-lora --allow-runtime-lora)", LoadLoRARequest,
+              errors=(400, 401, 404, 413, 415)),
+    Operation("/v1/unload_lora_adapter", "post", "Unload a LoRA adapter (vLLM; with --allow-runtime-lora)", UnloadLoRARequest,
+              errors=(400, 401, 404, 413, 415)),
     Operation("/generate", "post", "Generate with per-token timings", GenerateRequest, streams=True),
     Operation("/v1/embeddings", "post", "Text embeddings with all-MiniLM-L6-v2 (OpenAI)", EmbeddingRequest, errors=(400, 401, 404, 413, 415)),
     Operation("/tokenize", "post", "Prompt or chat messages to token ids (vLLM)", TokenizeRequest, errors=(400, 401, 404, 413, 415)),
