@@ -85,7 +85,7 @@ def test_logits_of_mixed_steps_match_peft(tiny_model, adapters):
 
     def step(chunks):
         rows = torch.tensor([slot[s] for s, toks in chunks for _ in toks])
-        return paged.run(chunks, LoRABatch.of(rows, torch.arange(k), torch.float32))
+        return paged.run(chunks, LoRABatch.of(rows, torch.arange(k), torch.float32, model.lora_widths))
 
     outs = step([(i, s) for i, s in enumerate(seqs)])  # prefill, all four at once
     for i, s in enumerate(seqs):
@@ -185,3 +185,22 @@ def test_max_loras_bounds_every_step_and_starves_no_adapter(tiny_model, adapters
     llm.close()
     assert most == 1
     assert [r.output_token_ids for r in reqs] == want
+
+
+def test_ray_router_keys_prefixes_by_adapter():
+    """The Ray ingress's prefix-aware router sends an adapter's prompts by the adapter's own blocks."""
+    pytest.importorskip("ray.serve.request_router")
+    from types import SimpleNamespace
+
+    from llmserve.ray_serve.router import PrefixAwareRouter
+
+    router = object.__new__(PrefixAwareRouter)
+    router.block_size, router.prefix_blocks = 4, 2
+    prompt = list(range(10, 22))
+
+    def hashes(lora):
+        return router.prefix_hashes(SimpleNamespace(args=[SimpleNamespace(prompt_token_ids=prompt, lora_request=lora)]))
+
+    sql, sql_again = LoRARequest("sql", 1, "/a", "h1"), LoRARequest("sql", 7, "/b", "h1")
+    assert len(hashes(None)) == 2 and hashes(sql) == hashes(sql_again)
+    assert len({tuple(hashes(x)) for x in (None, sql, LoRARequest("sql", 2, "/a", "h2"))}) == 3

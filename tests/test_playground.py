@@ -221,3 +221,34 @@ def test_live_stats_percentiles_and_idle_seconds():
     assert [p["t"] for p in points] == [1000, 1001, 1002]
     assert all(p["running"] == 2 and p["tok_s"] == 0 for p in points)
     assert live.points(1002, stats) == []
+
+
+def test_a_model_picker_when_lora_adapters_are_served(tiny_model, browser, tmp_path):
+    """With adapters, the page offers the base and each adapter, and sends the chosen one."""
+    from peft import LoraConfig, get_peft_model
+    from test_lora import ADAPTERS
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **ADAPTERS["attn"])).save_pretrained(str(tmp_path / "attn"))
+    with live_server(tiny_model, enable_lora=True, lora_modules=[f"sql={tmp_path / 'attn'}"]) as s:
+        context = browser.new_context(bypass_csp=True)
+        page = context.new_page()
+        page.goto(s.url + "/")
+        page.wait_for_selector("#model-label:not([hidden])", timeout=10_000)
+        assert page.eval_on_selector_all("#model-picker option", "os => os.map(o => o.value)") == [s.model, "sql"]
+        page.select_option("#model-picker", "sql")
+        fill(page, QUESTION, **{"max-tokens": "4"})
+        with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+            page.click("#send")
+        assert json.loads(sent.value.post_data)["model"] == "sql"
+        answer_done(page)
+        assert page.is_hidden("#error")
+        context.close()
+    with live_server(tiny_model) as plain:  # no adapters: no picker
+        context = browser.new_context(bypass_csp=True)
+        page = context.new_page()
+        page.goto(plain.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent !== ''", timeout=10_000)
+        assert page.is_hidden("#model-label")
+        context.close()

@@ -41,8 +41,8 @@ class LoRAInput:
     row_slots: torch.Tensor  # [T] the LoRA slot of each row, -1: the base model
     num_slots: int  # K: the step's adapters sit in slots [0, K)
 
-    def batch(self, dtype: torch.dtype) -> LoRABatch:
-        return LoRABatch.of(self.row_slots, torch.arange(self.num_slots, device=self.row_slots.device), dtype)
+    def batch(self, dtype: torch.dtype, widths: tuple[int, ...]) -> LoRABatch:
+        return LoRABatch.of(self.row_slots, torch.arange(self.num_slots, device=self.row_slots.device), dtype, widths)
 
 
 @dataclass(slots=True)
@@ -129,7 +129,7 @@ class ModelRunner:
             lora = (inp.lora.row_slots, inp.lora.num_slots) if inp.lora is not None else None
             logits = g(inp.input_ids, inp.positions, self.kv_caches, inp.meta, rows, lora)  # writes the cache even with no rows
             return None, logits if rows else None
-        lora = inp.lora.batch(self.model.embed_tokens.weight.dtype) if inp.lora is not None else None
+        lora = inp.lora.batch(self.model.embed_tokens.weight.dtype, self.model.lora_widths) if inp.lora is not None else None
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, lora)
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         return hidden, logits

@@ -3,17 +3,20 @@
 Each fused linear (qkv_proj, o_proj, gate_up_proj, down_proj) has a LoRASlots: --max-loras slots
 of stacked, zero-padded adapter weights, the rank padded to --max-lora-rank R and the scale
 folded into B:
-  lora_a   [max_loras, n * R, in]   the n slices' A matrices (q, k, v: n = 3) stacked on the rank
-  lora_b_i [max_loras, R, out_i]    slice i's B, transposed
-A step's LoRABatch says which rows use which slot: row_slots [T] (-1: the base model, no delta)
-and num_slots K, the first K slots (the engine keeps the step's adapters there, K >= 2). Per
-fused linear, all rows at once, and without a per-row gather of weights:
-  xa    = x @ lora_a[:K]^T                      [T, K * n * R]
-  xa    = xa * onehot(row_slots, K)             the row's own slot only
-  out_i = xa[slice i] @ lora_b_i[:K]            [T, out_i], concatenated over the slices
-The base matmul runs once; each row gets only its own adapter's delta. The cost grows with K,
-not with the number of rows per adapter; the compiled step graph takes row_slots and K as dynamic
-inputs, so its shapes stay fixed however adapters mix.
+  lora_a  [slots, n * R, in]          the n slices' A matrices (q, k, v: n = 3) stacked on the rank
+  lora_b  [slots, n * R, sum(out_i)]  their B matrices, transposed, block-diagonal: slice i's R rows
+                                      are zero outside slice i's output columns
+A step's LoRABatch says which rows use which slot: a one-hot mask [T, K] over the first K slots
+(the engine keeps the step's adapters there, K >= 2). Per fused linear, all rows at once, with
+no per-row gather of weights and three ops:
+  xa  = x @ lora_a[:K]^T             [T, K * n * R]
+  xa *= mask, widened to n * R       each row keeps its own slot only
+  y  += xa @ lora_b[:K]              [T, sum(out_i)]
+The base matmul runs once; each row gets only its own adapter's delta. The block-diagonal B
+trades n times the (small) B FLOPs for one matmul instead of n and a concatenation: at these
+sizes the number of ops, not the FLOPs, sets the cost. The work grows with K, not with the rows
+per adapter; the compiled step graph takes the mask as a dynamic input, so its shapes stay fixed
+however adapters mix.
 """
 
 from __future__ import annotations
@@ -34,44 +37,40 @@ def num_slots(max_loras: int) -> int:
 
 @dataclass(slots=True)
 class LoRABatch:
-    mask: torch.Tensor  # [T, K] in the activation dtype: 1 where a row uses the slot
+    masks: dict[int, torch.Tensor]  # n * R -> [T, K * n * R] in the activation dtype: 1 where a row uses the slot
 
     @staticmethod
-    def of(row_slots: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype) -> LoRABatch:
-        """row_slots [T] (-1: none), slot_ids = arange(K) [K]."""
-        return LoRABatch((row_slots[:, None] == slot_ids[None, :]).to(dtype))
+    def of(row_slots: torch.Tensor, slot_ids: torch.Tensor, dtype: torch.dtype, widths: tuple[int, ...]) -> LoRABatch:
+        """row_slots [T] (-1: none), slot_ids = arange(K) [K]; one mask per slice width n * R."""
+        onehot = (row_slots[:, None] == slot_ids[None, :]).to(dtype)
+        return LoRABatch({w: onehot.repeat_interleave(w, dim=1) for w in widths})
 
 
 class LoRASlots(nn.Module):
     def __init__(self, in_features: int, out_slices: list[int], max_loras: int, max_rank: int):
         super().__init__()
         self.rank, self.out_slices = max_rank, list(out_slices)
-        n = len(out_slices)
-        self.register_buffer("lora_a", torch.zeros(max_loras, n * max_rank, in_features), persistent=False)
-        for i, out in enumerate(out_slices):
-            self.register_buffer(f"lora_b_{i}", torch.zeros(max_loras, max_rank, out), persistent=False)
+        self.width = len(out_slices) * max_rank  # n * R
+        self.register_buffer("lora_a", torch.zeros(max_loras, self.width, in_features), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, self.width, sum(out_slices)), persistent=False)
 
-    def forward(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:  # x [T, in] -> [T, sum(out_slices)]
-        t, k = x.shape[0], batch.mask.shape[1]
-        n, r = len(self.out_slices), self.rank
-        xa = (x @ self.lora_a[:k].reshape(k * n * r, -1).t()).view(t, k, n, r) * batch.mask[:, :, None, None]
-        outs = [xa[:, :, i].reshape(t, k * r) @ getattr(self, f"lora_b_{i}")[:k].reshape(k * r, -1) for i in range(n)]
-        return outs[0] if n == 1 else torch.cat(outs, dim=-1)
+    def forward(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """y (the base linear's output [T, out]) plus each row's delta."""
+        mask = batch.masks[self.width]
+        k = mask.shape[1] // self.width
+        xa = (x @ self.lora_a[:k].reshape(k * self.width, -1).t()) * mask
+        return torch.addmm(y, xa, self.lora_b[:k].reshape(k * self.width, -1))
 
     def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` holds these slices' (A [r, in], B [out, r]); absent slices are zero."""
         r = self.rank
         self.lora_a[slot].zero_()
-        for i in range(len(self.out_slices)):
-            b = getattr(self, f"lora_b_{i}")[slot]
-            b.zero_()
-            if i in slices:
-                a_i, b_i = slices[i]
-                self.lora_a[slot, i * r: i * r + a_i.shape[0]].copy_(a_i)
-                b[: b_i.shape[1]].copy_(b_i.t())
+        self.lora_b[slot].zero_()
+        starts = [sum(self.out_slices[:i]) for i in range(len(self.out_slices))]
+        for i, (a_i, b_i) in slices.items():
+            self.lora_a[slot, i * r: i * r + a_i.shape[0]].copy_(a_i)
+            self.lora_b[slot, i * r: i * r + b_i.shape[1], starts[i]: starts[i] + b_i.shape[0]].copy_(b_i.t())
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.lora_a[dst].copy_(self.lora_a[src])
-        for i in range(len(self.out_slices)):
-            b = getattr(self, f"lora_b_{i}")
-            b[dst].copy_(b[src])
+        self.lora_b[dst].copy_(self.lora_b[src])

@@ -103,7 +103,8 @@ class StepGraph:
               row_slots=None, slot_ids=None):
         meta = AttentionMetadata(slots, tables.shape[0], tables, seq_lens, [],
                                  prefill_batch=PrefillBatch(starts, lens, contexts, prefill_tables))
-        lora = None if row_slots is None else LoRABatch.of(row_slots, slot_ids, self.model.embed_tokens.weight.dtype)
+        lora = None if row_slots is None else LoRABatch.of(row_slots, slot_ids, self.model.embed_tokens.weight.dtype,
+                                                           self.model.lora_widths)
         return self.model.compute_logits(self.model(ids, positions, kv_caches, meta, lora)[rows])
 
     def __call__(self, ids, positions, kv_caches, meta: AttentionMetadata, rows: list[int],

@@ -78,7 +78,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def with_lora(linear: nn.Module, slots: LoRASlots | None, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
     """linear(x), plus each row's adapter delta when the step has adapters."""
     y = linear(x)
-    return y if lora is None or slots is None else y + slots(x, lora)
+    return y if lora is None or slots is None else slots(x, y, lora)
 
 
 class Attention(nn.Module):
@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.lora_widths: tuple[int, ...] = ()  # set by enable_lora
 
     def use_native_attention(self, enabled: bool) -> None:
         """Decode attention and the KV-cache write through the native kernels (True) or pure torch."""
@@ -157,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
             for name, slots in (("qkv_proj", attn.qkv_lora), ("o_proj", attn.o_lora), ("gate_up_proj", mlp.gate_up_lora),
                                 ("down_proj", mlp.down_lora)):
                 out[(i, name)] = slots.to(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
+        self.lora_widths = tuple(sorted({s.width for s in out.values()}))  # n * R of each kind of slots: a mask each per step
         return out
 
     @property

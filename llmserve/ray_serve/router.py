@@ -46,12 +46,15 @@ class PrefixAwareRouter(RequestRouter):  # no FIFOMixin: it would hand a replica
         self.chosen: Counter[ReplicaID] = Counter()
 
     def prefix_hashes(self, pending: PendingRequest | None) -> list[bytes]:
-        """Hashes of the prompt's leading full blocks, shortest prefix first ([] when unknown)."""
+        """Hashes of the prompt's leading full blocks, shortest prefix first ([] when unknown); under
+        a LoRA adapter they chain from a root of its own, as the engine's do."""
         request = pending.args[0] if pending is not None and pending.args else None
         tokens = getattr(request, "prompt_token_ids", None)
         if not tokens:
             return []
-        return [h for h, _ in chain_block_hashes(ROOT, tokens, self.block_size, self.prefix_blocks)]
+        lora = getattr(request, "lora_request", None)
+        root = ROOT if lora is None else namespace_hash(f"llmserve-router:lora:{lora.content_hash}")
+        return [h for h, _ in chain_block_hashes(root, tokens, self.block_size, self.prefix_blocks)]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

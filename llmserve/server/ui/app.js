@@ -302,8 +302,15 @@ async function loadModel() {
   const res = await fetch("/v1/models", { headers: headers() }).catch(() => null);
   if (res && res.ok) {
     const data = await res.json();
-    state.model = data.data[0].id;
-    $("model").textContent = state.model;
+    const base = data.data[0].id;
+    // the served model and its LoRA adapters (whose parent is the base); a picker when there are adapters
+    const models = data.data.filter((m) => m.id === base || m.parent === base).map((m) => m.id);
+    const picker = $("model-picker");
+    picker.replaceChildren(...models.map((id) => Object.assign(document.createElement("option"), { value: id, textContent: id })));
+    $("model-label").hidden = models.length < 2;
+    state.model = models.includes(state.model) ? state.model : base;
+    picker.value = state.model;
+    $("model").textContent = base;
   }
 }
 
@@ -316,6 +323,7 @@ $("copy-python").addEventListener("click", () => copy("python"));
 $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && e.ctrlKey) send(); });
 $("mode").addEventListener("change", () => { $("system-label").hidden = $("mode").value !== "chat"; });
 $("api-key").addEventListener("change", loadModel);
+$("model-picker").addEventListener("change", () => { state.model = $("model-picker").value; });
 $("tab-playground").addEventListener("click", () => show("playground"));
 $("tab-dashboard").addEventListener("click", () => show("dashboard"));
 show(location.pathname.startsWith("/dashboard") ? "dashboard" : "playground");
