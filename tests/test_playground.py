@@ -239,11 +239,13 @@ def test_a_model_picker_when_lora_adapters_are_served(tiny_model, browser, tmp_p
         assert page.eval_on_selector_all("#model-picker option", "os => os.map(o => o.value)") == [s.model, "sql"]
         page.select_option("#model-picker", "sql")
         fill(page, QUESTION, **{"max-tokens": "4"})
-        with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        with page.expect_request(lambda r: r.url.endswith("/generate")) as sent:
             page.click("#send")
         assert json.loads(sent.value.post_data)["model"] == "sql"
         answer_done(page)
         assert page.is_hidden("#error")
+        page.click("#copy-curl")
+        assert '"model":"sql"' in page.text_content("#snippet")
         context.close()
     with live_server(tiny_model) as plain:  # no adapters: no picker
         context = browser.new_context(bypass_csp=True)

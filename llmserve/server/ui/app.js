@@ -44,7 +44,7 @@ function messages(prompt) {
 // What the page sends (/generate, token events with t_ms) and the same request through the
 // OpenAI API, for the copy buttons.
 function requests(prompt) {
-  const p = params();
+  const p = { ...(state.model ? { model: state.model } : {}), ...params() };
   if ($("mode").value === "chat") {
     const m = messages(prompt);
     return { native: { messages: m, ...p, stream: true }, path: "/v1/chat/completions", openai: { messages: m, ...p } };
@@ -173,7 +173,7 @@ function renderHistory() {
 
 function snippet(kind) {
   const req = requests($("prompt").value || "Hello!");
-  const body = { ...(state.model ? { model: state.model } : {}), ...req.openai };
+  const body = req.openai;
   const auth = $("api-key").value.trim() ? "$LLMSERVE_API_KEY" : null;  // never the key itself
   if (kind === "curl") {
     const a = auth ? ` \\\n  -H "Authorization: Bearer ${auth}"` : "";
