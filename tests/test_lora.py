@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from test_model_logits import Paged
 from transformers import AutoModelForCausalLM
 
@@ -39,6 +38,11 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory) -> dict[str, str]:
     """name -> folder, each saved by peft from seeded random (nonzero) A and B."""
+    from peft import (  # here: importing peft imports triton, which must wait for
+        LoraConfig,
+        get_peft_model,
+    )
+    # test_triton_attention to switch Triton to its interpreter at collection
     folders = {}
     for seed, (name, cfg) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed + 1)
@@ -54,6 +58,7 @@ def adapters(tiny_model, tmp_path_factory) -> dict[str, str]:
 
 
 def reference(tiny_model: str, folder: str | None):
+    from peft import PeftModel
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     return base if folder is None else PeftModel.from_pretrained(base, folder).eval()
 
