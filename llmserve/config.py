@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -82,7 +83,8 @@ class ServerConfig:
     semantic_cache_size: int = _opt(10000, "most semantic cache entries (questions) kept")
     playground: bool = _opt(True, "serve the browser playground and dashboard at / and /dashboard")
     lora_modules: list[str] | None = _opt(None, "LoRA adapters to serve (with --enable-lora): name=path, or JSON "
-                                          '{"name": ..., "path": ..., "base_model_name": ...}; several, space-separated')
+                                          '{"name": ..., "path": ..., "base_model_name": ...}; several, space-separated '
+                                          "(quoted as in a shell, in the environment variable)")
     allow_runtime_lora: bool = _opt(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
 
@@ -149,7 +151,7 @@ def from_sources(cls: type, args: argparse.Namespace | None = None, env: dict[st
         if raw is not None and raw != "":
             typ = _field_type(f)
             try:
-                values[f.name] = _parse_bool(raw) if typ is bool else raw.split() if typ is list else typ(raw)
+                values[f.name] = _parse_bool(raw) if typ is bool else shlex.split(raw) if typ is list else typ(raw)
             except ValueError as e:
                 raise InvalidRequestError(f"LLMSERVE_{f.name.upper()}: {e}") from None
         if args is not None and getattr(args, f.name, None) is not None:

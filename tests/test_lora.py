@@ -81,7 +81,7 @@ def test_logits_of_mixed_steps_match_peft(tiny_model, adapters):
     lreqs = requests(adapters)
     names = [*ADAPTERS, None]  # sequence i runs under names[i]
     refs = [reference(tiny_model, adapters[n] if n else None) for n in names]
-    slot_of = manager.prepare(list(lreqs.values()))
+    slot_of = manager.prepare({r.lora_int_id: manager.adapter(r) for r in lreqs.values()})
     slot = [slot_of[lreqs[n].lora_int_id] if n else -1 for n in names]
     k = len(lreqs)
     paged = Paged(model)
@@ -209,3 +209,32 @@ def test_ray_router_keys_prefixes_by_adapter():
     sql, sql_again = LoRARequest("sql", 1, "/a", "h1"), LoRARequest("sql", 7, "/b", "h1")
     assert len(hashes(None)) == 2 and hashes(sql) == hashes(sql_again)
     assert len({tuple(hashes(x)) for x in (None, sql, LoRARequest("sql", 2, "/a", "h2"))}) == 3
+
+
+def test_a_better_request_waiting_for_an_adapter_slot_preempts_no_one(tiny_model, adapters):
+    """Priority scheduling with the adapter bound: a better request whose adapter has no slot
+    waits for one without the running requests being preempted for it step after step."""
+    lreqs = requests(adapters)
+    llm = LLM(tiny_model, dtype="float32", compile="none", enable_lora=True, max_loras=2, max_num_seqs=3, num_threads=1,
+              scheduling_policy="priority", enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 1000, (20,), generator=gen).tolist()
+    running = [engine.add_request(f"r{i}", prompt, params, priority=1, lora_request=lora)
+               for i, lora in enumerate([lreqs["attn"], lreqs["mlp"], None])]
+    for _ in range(3):
+        engine.step()
+    better = engine.add_request("better", prompt, params, priority=0, lora_request=lreqs["all"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm.close()
+    assert engine.scheduler.num_preemptions <= 1
+    assert all(len(r.output_token_ids) == 12 for r in [*running, better])
+
+
+def test_lora_modules_from_the_environment_keep_json_and_spaces():
+    from llmserve.config import ServerConfig, from_sources
+
+    env = {"LLMSERVE_LORA_MODULES": """'{"name": "sql", "path": "/adapters/my sql"}' chat=/adapters/chat"""}
+    assert from_sources(ServerConfig, env=env).lora_modules == ['{"name": "sql", "path": "/adapters/my sql"}', "chat=/adapters/chat"]

@@ -63,6 +63,7 @@ def test_each_adapter_answers_as_peft_and_the_base_as_itself(server, tiny_model,
                                           extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
     assert [int(t.token.removeprefix("token_id:")) for t in chat.choices[0].logprobs.content] == \
         peft_tokens(tiny_model, adapters["attn"], template_ids, 4)
+    assert chat.model == "attn"  # the name asked for, as vLLM reports it
     r = httpx.post(server.url + "/generate", json={"model": "mlp", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
     assert r.json()["token_ids"] == answers["mlp"]
 

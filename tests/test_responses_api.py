@@ -153,6 +153,16 @@ def test_the_store_is_bounded_by_count(tiny_model):
         assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
 
 
+def test_a_store_of_size_zero_keeps_nothing():
+    import asyncio
+
+    from llmserve.server.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(ttl_s=60, max_entries=0, max_bytes=1 << 20)
+    assert asyncio.run(store.put("resp_1", StoredResponse({"id": "resp_1"}, []))) is False
+    assert asyncio.run(store.get("resp_1")) is None
+
+
 def test_responses_are_stored_in_redis(tiny_model, redis_server):
     with live_server(tiny_model, redis_url=redis_server.url, redis_timeout=1.0, response_cache_ttl=600) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)

@@ -143,7 +143,7 @@ class InMemoryLRU:
     def set(self, key: str, value: bytes, ttl_s: float) -> bool:
         """False (nothing stored) when the entry alone exceeds the bound."""
         size = len(key) + len(value)
-        if size > self.max_bytes:
+        if size > self.max_bytes or self.max_entries == 0:
             return False
         if key in self.entries:
             self._drop(key)
@@ -155,7 +155,8 @@ class InMemoryLRU:
         return True
 
     def delete(self, key: str) -> bool:
-        if key not in self.entries:
+        """False when there is no such entry (or it expired)."""
+        if self.get(key) is None:
             return False
         self._drop(key)
         return True

@@ -200,11 +200,13 @@ class LLMEngine:
     def add(self, core: EngineCoreRequest) -> Request:
         """Queue a request already checked against self.info (make_core_request). Its adapter is
         read now, if it is not in memory yet: one that cannot be read is a typed error here."""
-        lora = core.lora_request
-        if lora is not None:  # the hash that keys its prefix blocks is the weights' own, as read here
-            lora = dataclasses.replace(lora, content_hash=self.lora.adapter(lora).content_hash)  # type: ignore[union-attr]
+        lora, adapter = core.lora_request, None
+        if lora is not None:  # the request holds the weights read now; its blocks are keyed by their hash
+            adapter = self.lora.adapter(lora)  # type: ignore[union-attr]
+            lora = dataclasses.replace(lora, content_hash=adapter.content_hash)
         req = Request(core.request_id, core.prompt_token_ids, core.sampling_params, core.max_tokens,
-                      self.eos_token_ids, Timeline(core.arrival_time), priority=core.priority, lora_request=lora)
+                      self.eos_token_ids, Timeline(core.arrival_time), priority=core.priority, lora_request=lora,
+                      lora_adapter=adapter)
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params)
         so = req.sampling_params.structured_outputs
         if so is None:

@@ -181,7 +181,7 @@ class ModelRunner:
 
     def _lora_input(self, scheduled: list) -> LoRAInput | None:
         """Each row's slot, with the step's adapters placed in the first slots; None when no row has one."""
-        active = list(dict.fromkeys(s.request.lora_request for s in scheduled if s.request.lora_request is not None))
+        active = {s.request.lora_request.lora_int_id: s.request.lora_adapter for s in scheduled if s.request.lora_request is not None}
         if not active:
             return None
         slot_of = self.lora.prepare(active)  # type: ignore[union-attr]

@@ -47,6 +47,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     matcher: Any = None  # llguidance.LLMatcher of a structured request: it has consumed every output token
     lora_request: LoRARequest | None = None  # the adapter it runs under; None: the base model
+    lora_adapter: Any = None  # llmserve.lora.adapter.LoRAAdapter: its weights, read when it was added
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -114,14 +114,22 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
         return out
 
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _needs_adapter_slot(self, req: Request, adapters: set[int]) -> bool:
+        """Whether req's adapter is not running and the running ones are at --max-loras."""
+        lora = req.lora_request
+        return lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        adapters = self._running_adapters()
         held_back = False  # a request waits for an adapter slot: only base-model requests pass it
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             lora = req.lora_request
-            if lora is not None and (held_back or (lora.lora_int_id not in adapters and len(adapters) >= self.max_loras)):
+            if lora is not None and (held_back or self._needs_adapter_slot(req, adapters)):
                 held_back = True
                 continue
             computed = self.kv.get_computed_blocks(req)
@@ -191,7 +199,10 @@ class Scheduler:
         worst running one and lacks a batch slot or the blocks for its first chunk (beside those
         of the better ones before it), preempt that running request."""
         slots_taken = blocks_taken = 0  # by the waiting requests already provided for
+        adapters = self._running_adapters()
         for req in list(self.waiting):
+            if self._needs_adapter_slot(req, adapters):
+                continue  # admission would hold it back: preempting for it would free nothing it can use
             need = -(-min(req.num_tokens, self.max_num_batched_tokens) // self.kv.block_size)
             while self._lacks_room(slots_taken + 1, blocks_taken + need) and self.running \
                     and _rank(req) < _rank(self.running[-1]):

@@ -1,5 +1,6 @@
-"""The engine's adapters: read from disk on first use and kept in memory (an LRU of
---max-cpu-loras), and placed into the model's --max-loras slots for the steps that use them.
+"""The engine's adapters: read from disk when a request for one is added, kept in memory (an LRU
+of --max-cpu-loras; each request also holds the weights it was added with, so a step never reads
+a file), and placed into the model's --max-loras slots for the steps that use them.
 
 Slots: a step with adapters X, Y uses the first K = max(MIN_SLOTS, |{X, Y}|) slots (LoRASlots
 computes over exactly those), so `prepare` moves the step's adapters into slots below K: one
@@ -45,24 +46,22 @@ class LoRAManager:
         self.loaded.move_to_end(req.lora_int_id)
         return a
 
-    def prepare(self, active: list[LoRARequest]) -> dict[int, int]:
-        """Place the step's adapters (at most max_loras, distinct) in the first K slots;
-        lora_int_id -> slot."""
+    def prepare(self, active: dict[int, LoRAAdapter]) -> dict[int, int]:
+        """Place the step's adapters (lora_int_id -> weights; at most max_loras) in the first K
+        slots; lora_int_id -> slot."""
         k = max(MIN_SLOTS, len(active))
-        ids = {r.lora_int_id for r in active}
-        placed = {lid: s for s, lid in enumerate(self.occupant[:k]) if lid in ids}
-        free = sorted((s for s in range(k) if self.occupant[s] not in ids), key=lambda s: self.occupant[s] is not None)
-        for req in active:
-            if req.lora_int_id in placed:
+        placed = {lid: s for s, lid in enumerate(self.occupant[:k]) if lid in active}
+        free = sorted((s for s in range(k) if self.occupant[s] not in active), key=lambda s: self.occupant[s] is not None)
+        for lid, adapter in active.items():
+            if lid in placed:
                 continue
             slot = free.pop(0)
-            old = self.occupant.index(req.lora_int_id) if req.lora_int_id in self.occupant else None
-            if old is not None:
-                self._move(old, slot)
+            if lid in self.occupant:
+                self._move(self.occupant.index(lid), slot)
             else:
-                self._write(slot, self.adapter(req))
-            self.occupant[slot] = req.lora_int_id
-            placed[req.lora_int_id] = slot
+                self._write(slot, adapter)
+            self.occupant[slot] = lid
+            placed[lid] = slot
         return placed
 
     def _move(self, src: int, dst: int) -> None:
@@ -77,13 +76,6 @@ class LoRAManager:
             by_layer.setdefault((layer, fused), {})[i] = ab
         for key, layer_slots in self.slots.items():
             layer_slots.set_slot(slot, by_layer.get(key, {}))
-
-    def forget(self, lora_int_id: int) -> None:
-        """An unloaded adapter: out of memory and out of its slot."""
-        self.loaded.pop(lora_int_id, None)
-        if lora_int_id in self.occupant:
-            self.occupant[self.occupant.index(lora_int_id)] = None
-
 
 def base_shapes(cfg: ModelConfig) -> BaseShapes:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim

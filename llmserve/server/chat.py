@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.errors import InvalidRequestError
+from llmserve.lora.request import LoRARequest
 from llmserve.server.context import ServerContext
 from llmserve.server.generation import Generation
 from llmserve.server.protocol import ChatMessage, SamplingFields, chat_messages
@@ -38,10 +39,9 @@ class ChatTurn:
 
 
 async def chat_generation(ctx: ServerContext, turn: ChatTurn, fields: SamplingFields, max_tokens: int | None,
-                          logprobs: int | None, request_id: str, arrival: float) -> Generation:
-    """The Generation for one chat turn (not started), under the adapter `model` names: 404 for
-    an unknown model, 400s for what the request got wrong."""
-    lora = ctx.check_model(fields.model)
+                          logprobs: int | None, request_id: str, arrival: float, lora: LoRARequest | None) -> Generation:
+    """The Generation for one chat turn (not started), under `lora` (the adapter `model` named,
+    as ctx.check_model resolved it): 400s for what the request got wrong."""
     messages, template_tools = turn.template_inputs(ctx)
     ids = ctx.tokenizer.apply_chat_template(messages, turn.add_generation_prompt, template_tools)
     params = fields.sampling_params(max_tokens, logprobs)
@@ -78,7 +78,3 @@ class OutputSplitter:
     def called(self) -> bool:
         return self.parser is not None and bool(self.parser.calls)
 
-
-def known_call_ids(messages: list[ChatMessage]) -> set[str]:
-    """The ids of the tool calls the assistant turns in `messages` made."""
-    return {c.get("id") for m in messages if m.role == "assistant" for c in m.tool_calls or [] if isinstance(c, dict)}

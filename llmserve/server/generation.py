@@ -118,6 +118,11 @@ class Generation:
         )
 
     @property
+    def model_name(self) -> str:
+        """What the response reports in `model`: the adapter's name, or the served model's."""
+        return self.lora.lora_name if self.lora is not None else self.ctx.model_name
+
+    @property
     def _lora_key(self) -> str | None:
         """The adapter's weights (by hash), where a cache entry must match them."""
         return self.lora.content_hash if self.lora is not None else None

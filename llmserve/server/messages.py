@@ -44,10 +44,10 @@ async def create_message(request: Request) -> Response:
 
 
 async def _create(ctx: ServerContext, body: MessagesRequest, arrival: float) -> Response:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     body.check()
     turn = body.turn()
-    gen = await chat_generation(ctx, turn, body.sampling_fields(), body.max_tokens, None, f"msg_{uuid.uuid4().hex}", arrival)
+    gen = await chat_generation(ctx, turn, body.sampling_fields(), body.max_tokens, None, f"msg_{uuid.uuid4().hex}", arrival, lora)
     builder = MessageBuilder(ctx, gen, body, turn)
     await gen.start()  # closes gen itself when it fails
     if body.stream:
@@ -103,7 +103,7 @@ class MessageBuilder:
 
     def message(self, final: bool) -> dict:
         stop_reason, stop_sequence = self._stop() if final else (None, None)
-        msg = {"id": self.gen.request_id, "type": "message", "role": "assistant", "model": self.ctx.model_name,
+        msg = {"id": self.gen.request_id, "type": "message", "role": "assistant", "model": self.gen.model_name,
                "content": self.content if final else [], "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                "usage": self.usage()}
         if final and self.body.return_token_ids:

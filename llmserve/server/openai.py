@@ -40,7 +40,7 @@ class _Reply:
         self.created = int(time.time())
 
     def envelope(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> dict:
-        body = {"id": self.gen.request_id, "object": self.obj, "created": self.created, "model": self.ctx.model_name, "choices": choices}
+        body = {"id": self.gen.request_id, "object": self.obj, "created": self.created, "model": self.gen.model_name, "choices": choices}
         if final or self.include_usage:
             body["usage"] = usage
         return body
@@ -137,13 +137,13 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float) -> Response:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     turn = ChatTurn(body.messages, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls), body.add_generation_prompt)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    gen = await chat_generation(ctx, turn, body, max_tokens, logprobs, new_id("chatcmpl"), arrival)
+    gen = await chat_generation(ctx, turn, body, max_tokens, logprobs, new_id("chatcmpl"), arrival, lora)
     return await _respond(gen, _ChatReply(ctx, gen, body, turn.plan), body.stream)
 
 

@@ -58,12 +58,12 @@ async def _earlier(ctx: ServerContext, body: ResponsesRequest) -> list[dict[str,
 
 
 async def _create(ctx: ServerContext, body: ResponsesRequest, arrival: float) -> Response:
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     body.check()
     earlier, items = await _earlier(ctx, body), body.items()
     turn = ChatTurn(chat_history(body.instructions, earlier + items, len(earlier)), body.tool_plan())
     try:
-        gen = await chat_generation(ctx, turn, body, body.max_output_tokens, body.logprobs, _id("resp"), arrival)
+        gen = await chat_generation(ctx, turn, body, body.max_output_tokens, body.logprobs, _id("resp"), arrival, lora)
     except InvalidRequestError as e:
         if e.param == "max_tokens":  # checked under the engine's name
             e.param, e.message = "max_output_tokens", e.message.replace("max_tokens", "max_output_tokens")
@@ -103,7 +103,7 @@ class ResponseBuilder:
         obj = {
             "id": self.gen.request_id, "object": "response", "created_at": self.created_at, "status": status,
             "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": self.ctx.model_name, "output": self.output,
+            "max_output_tokens": body.max_output_tokens, "model": self.gen.model_name, "output": self.output,
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "reasoning": None, "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": (body.text.format.model_dump(exclude_none=True, by_alias=True) if body.text and body.text.format
