@@ -42,11 +42,17 @@ class Tokenizer:
         return bool(self.chat_template) and "tools" in str(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> list[int]:
+        """continue_final_message: the last (assistant) message is left open, for the model to go
+        on from its last word (a "prefill"), rather than closed and followed by a new turn."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", "messages")
+        if continue_final_message and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+            raise InvalidRequestError("continue_final_message continues a final assistant message; it cannot be combined "
+                                      "with add_generation_prompt", "continue_final_message")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools,
+                                               continue_final_message=continue_final_message)
         except Exception as e:  # jinja2 raises on templates that reject the conversation
             raise InvalidRequestError(f"chat template rejected the messages: {e}", "messages") from None
         return self.encode(text, add_special_tokens=False)

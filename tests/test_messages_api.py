@@ -44,8 +44,9 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def chat_ids(client: openai.OpenAI, messages: list[dict], **kw) -> list[int]:
-    r = client.chat.completions.create(messages=messages, logprobs=True, extra_body={"return_tokens_as_token_ids": True}, **kw)
+def chat_ids(client: openai.OpenAI, messages: list[dict], extra_body: dict | None = None, **kw) -> list[int]:
+    r = client.chat.completions.create(messages=messages, logprobs=True, extra_body={"return_tokens_as_token_ids": True, **(extra_body or {})},
+                                       **kw)
     return [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content]
 
 
@@ -155,3 +156,15 @@ def test_priority_is_refused_under_fcfs(tiny_model, server):
     with live_server(tiny_model, scheduling_policy="priority") as s:
         r = httpx.post(s.url + "/v1/messages", json={"messages": USER, "max_tokens": 2, "priority": -3})
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2
+
+
+def test_a_final_assistant_message_is_continued(server, claude, client):
+    """Anthropic's prefill: the answer goes on from the assistant's last word, as chat completions'
+    continue_final_message (vLLM's) does, and holds only the new text."""
+    prefill = [*USER, {"role": "assistant", "content": "The river"}]
+    m = claude.messages.create(model=server.model, messages=prefill, max_tokens=6, **sampling(0))
+    template = server.ctx.tokenizer.hf.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert m.prompt_token_ids == server.ctx.tokenizer.encode(template, add_special_tokens=False)
+    assert template.endswith("The river")
+    assert m.token_ids == chat_ids(client, prefill, model=server.model, max_tokens=6, temperature=0,
+                                   extra_body={"add_generation_prompt": False, "continue_final_message": True})

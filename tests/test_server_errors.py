@@ -62,6 +62,8 @@ CASES = [
     ("priority under fcfs, generate", "POST", GEN, {"prompt": "x", "priority": -1}, {}, 400, "priority", "--scheduling-policy priority"),
     ("NaN temperature", "POST", CMPL, b'{"prompt": "x", "temperature": NaN}', {}, 400, None, "JSON"),
     ("empty messages", "POST", CHAT, {"messages": []}, {}, 400, "messages", "empty"),
+    ("continue_final_message with add_generation_prompt", "POST", CHAT, {"messages": [*USER, {"role": "assistant", "content": "a"}],
+     "continue_final_message": True}, {}, 400, "continue_final_message", "add_generation_prompt"),
     ("messages missing", "POST", CHAT, {"model": None}, {}, 400, "messages", "required"),
     ("unknown role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, {}, 400, "messages[0].role", "wizard"),
     ("content not text", "POST", CHAT, {"messages": [{"role": "user", "content": 5}]}, {}, 400, "messages[0].content", ""),

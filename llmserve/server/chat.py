@@ -28,6 +28,7 @@ class ChatTurn:
     messages: list[ChatMessage]
     plan: ToolPlan
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
 
     def template_inputs(self, ctx: ServerContext) -> tuple[list[dict], list[dict] | None]:
         """(messages for the chat template, its `tools` argument or None)."""
@@ -35,7 +36,10 @@ class ChatTurn:
 
     def prompt_ids(self, ctx: ServerContext) -> list[int]:
         messages, tools = self.template_inputs(ctx)
-        return ctx.tokenizer.apply_chat_template(messages, self.add_generation_prompt, tools)
+        return self.render(ctx, messages, tools)
+
+    def render(self, ctx: ServerContext, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        return ctx.tokenizer.apply_chat_template(messages, self.add_generation_prompt, tools, self.continue_final_message)
 
 
 async def chat_generation(ctx: ServerContext, turn: ChatTurn, fields: SamplingFields, max_tokens: int | None,
@@ -43,7 +47,7 @@ async def chat_generation(ctx: ServerContext, turn: ChatTurn, fields: SamplingFi
     """The Generation for one chat turn (not started), under `lora` (the adapter `model` named,
     as ctx.check_model resolved it): 400s for what the request got wrong."""
     messages, template_tools = turn.template_inputs(ctx)
-    ids = ctx.tokenizer.apply_chat_template(messages, turn.add_generation_prompt, template_tools)
+    ids = turn.render(ctx, messages, template_tools)
     params = fields.sampling_params(max_tokens, logprobs)
     asked_by = fields.structured()[1]
     if (tool_grammar := turn.plan.structured()) is not None:

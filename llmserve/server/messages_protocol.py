@@ -65,7 +65,9 @@ class MessagesPrompt(_Model):
         calls: set[str] = set()
         for i, m in enumerate(self.messages):
             messages += _translate(m, f"messages[{i}]", calls)
-        return ChatTurn(messages, self._plan())
+        # a final assistant message is a prefill: the answer goes on from its last word, as Anthropic's does
+        prefill = messages[-1].role == "assistant" and not messages[-1].tool_calls
+        return ChatTurn(messages, self._plan(), add_generation_prompt=not prefill, continue_final_message=prefill)
 
     def _plan(self) -> ToolPlan:
         tools = []

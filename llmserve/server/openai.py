@@ -138,7 +138,8 @@ async def create_chat_completion(request: Request) -> Response:
 
 async def _chat(ctx: ServerContext, body: ChatCompletionRequest, arrival: float) -> Response:
     lora = ctx.check_model(body.model)
-    turn = ChatTurn(body.messages, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls), body.add_generation_prompt)
+    turn = ChatTurn(body.messages, plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls), body.add_generation_prompt,
+                    body.continue_final_message)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -280,6 +280,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: go on from the final assistant message (with add_generation_prompt false)
     return_tokens_as_token_ids: bool = False
 
 
