@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import OverHTTP, _load, _median  # noqa: E402
 
+from llmserve.bench.args import add_workload_arguments  # noqa: E402
 from llmserve.bench.datasets import build_dataset  # noqa: E402
 from llmserve.table import format_table  # noqa: E402
 
@@ -28,13 +29,8 @@ ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=32)
+    add_workload_arguments(p, "random words per prompt")
     p.add_argument("--c1-prompts", type=int, default=8, help="requests of the concurrency-1 run (0: skip it)")
-    p.add_argument("--input-len", type=int, default=128, help="random words per prompt")
-    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-args", default="--no-enable-prefix-caching", help="extra `llmserve serve` flags")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from llmserve.bench.args import add_workload_arguments
 from llmserve.config import EngineConfig, from_sources
 from llmserve.engine.engine_core import LLMEngine
 from llmserve.lora.adapter import PROJECTIONS
@@ -41,12 +42,7 @@ TARGETS = {"lora-none": 0.97, "lora-one": 0.85, "lora-many": 0.80}
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    add_workload_arguments(p)
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)

@@ -28,7 +28,7 @@ import time
 
 import httpx
 
-from llmserve.bench.args import add_bench_arguments
+from llmserve.bench.args import add_bench_arguments, add_workload_arguments
 from llmserve.bench.datasets import SampleRequest
 from llmserve.bench.report import summarize
 from llmserve.bench.serve import run_load
@@ -41,13 +41,8 @@ from llmserve.table import format_table
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine (default: its own default)")
-    p.add_argument("--num-prompts", type=int, default=32)
+    add_workload_arguments(p)
     p.add_argument("--c1-prompts", type=int, default=8, help="prompts of the concurrency-1 run (0: skip it)")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="turns each side takes at each workload")
     p.add_argument("--serve-args", default="", help="extra `llmserve serve` flags, e.g. '--compile inductor'")

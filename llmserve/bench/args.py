@@ -39,3 +39,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", default=None, metavar="OUT.png", help="TTFT and ITL CDFs, throughput over time")
     o.add_argument("--disable-tqdm", action="store_true")
     o.add_argument("--verbose", action="store_true", help="log what libraries log (e.g. one line per HTTP request)")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, input_help: str = "prompt tokens") -> None:
+    """The model and the workload the side-by-side benchmark scripts share (scripts/bench_*.py)."""
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine (default: its own default)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128, help=input_help)
+    p.add_argument("--output-len", type=int, default=128)
