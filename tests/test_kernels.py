@@ -249,6 +249,44 @@ def test_gemv_equals_a_linear_layer(op, dtype, tol):
         torch.ops.llmserve.gemv(torch.ones(5, 8), torch.ones(3, 8), None)
 
 
+def lora_reference(y, x, a, b, slots, out_slices):
+    """y + each row's delta, in float64: t = A[slot] x, then slice j's columns += t_j B_j."""
+    y, r = y.double().clone(), a.shape[1] // len(out_slices)
+    starts = [sum(out_slices[:j]) for j in range(len(out_slices))]
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            t = a[s].double() @ x[i].double()
+            for j, (c0, width) in enumerate(zip(starts, out_slices, strict=True)):
+                y[i, c0:c0 + width] += t[j * r:(j + 1) * r] @ b[s, j * r:(j + 1) * r, c0:c0 + width].double()
+    return y
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_lora_add_equals_each_rows_own_delta(op, dtype, tol):
+    """llmserve::lora_add over rows of several slots and none: column counts with part steps and
+    scalar tails, one slice and three, one row and more rows of one slot than a block holds, and
+    slots with enough rows to take GEMMs (some rows of the step, and all of them); a row without
+    an adapter is left exactly as it was."""
+    g = torch.Generator().manual_seed(7)
+    for rows, width, out_slices, rank, slots in ((7, 100, [37, 13, 5], 3, 3), (32, 576, [576, 192, 192], 16, 4),
+                                                 (1, 64, [3000], 8, 2), (11, 24, [8], 1, 1), (800, 40, [24, 9], 4, 2),
+                                                 (200, 40, [24, 9], 4, 1)):
+        x = torch.randn(rows, width, generator=g).to(dtype)
+        y = torch.randn(rows, sum(out_slices), generator=g).to(dtype)
+        a = torch.randn(slots, len(out_slices) * rank, width, generator=g).to(dtype)
+        b = torch.randn(slots, len(out_slices) * rank, sum(out_slices), generator=g).to(dtype)
+        row_slots = torch.randint(-1, slots, (rows,), generator=g) if rows != 200 else torch.zeros(rows, dtype=torch.long)
+        row_slots[0] = -1 if 1 < rows != 200 else 0
+        got = y.clone()
+        torch.ops.llmserve.lora_add(got, x, a, b, row_slots, out_slices)
+        want = lora_reference(y, x, a, b, row_slots, out_slices)
+        err = (got.double() - want).abs().max().item()
+        assert err <= tol * max(1.0, want.abs().max().item()), (rows, out_slices, err)
+        assert torch.equal(got[row_slots < 0], y[row_slots < 0])
+    with pytest.raises(RuntimeError, match="is not a slot"):
+        torch.ops.llmserve.lora_add(y, x, a, b, torch.full((rows,), slots), out_slices)
+
+
 def test_packed_linear_takes_gemv_for_few_rows(op):
     """A layer packed with its plain weight kept: 1-4 rows run llmserve::gemv and more rows the
     packed oneDNN path, eager and through the native op, all equal to F.linear."""

@@ -54,7 +54,10 @@ def test_loadtest_against_the_live_server(server_url, tmp_path):
     assert s["total_input_tokens"] == sum(r["prompt_tokens"] for r in reqs) > 20 * 16 - 1
     assert s["missing_usage"] == 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        assert 0 < s[key]["p50"] <= s[key]["p99"] <= s[key]["max"], key
+        # tokens that reach the client in one read have no gap between them, so on a busy
+        # machine most inter-token latencies can be 0: only the largest must not be
+        assert 0 <= s[key]["p50"] <= s[key]["p99"] <= s[key]["max"] and s[key]["max"] > 0, key
+    assert s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p50"] > 0
     assert s["e2el_ms"]["max"] >= s["ttft_ms"]["max"] and s["output_throughput"] > 0
     assert doc["config"]["model"]  # discovered from GET /v1/models
     assert png.read_bytes()[:8] == PNG_MAGIC

@@ -14,6 +14,7 @@ import torch
 from test_model_logits import Paged
 from transformers import AutoModelForCausalLM
 
+from llmserve import kernels
 from llmserve.engine.llm import LLM
 from llmserve.errors import InvalidRequestError
 from llmserve.lora.adapter import LoRAAdapterError, LoRANotFoundError, load_adapter
@@ -72,12 +73,18 @@ def requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
     return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters.items())}
 
 
-def test_logits_of_mixed_steps_match_peft(tiny_model, adapters):
+@pytest.mark.parametrize("lora_path", ["torch", "native"])
+def test_logits_of_mixed_steps_match_peft(tiny_model, adapters, lora_path):
     """Four sequences (three adapters and the base) prefill together, decode together, then a
-    mixed step: every row's logits equal its own reference's."""
+    mixed step: every row's logits equal its own reference's, with the deltas from torch ops and
+    from llmserve::lora_add."""
     cfg = ModelConfig.from_file(Path(tiny_model) / "config.json")
     model = load_model(tiny_model, torch.float32)
     manager = LoRAManager(model.enable_lora(num_slots(4), 16), base_shapes(cfg), 4, 4, 16)
+    if lora_path == "native":
+        if not kernels.load():
+            pytest.skip("the native kernels do not build here")
+        model.use_native_lora(True)
     lreqs = requests(adapters)
     names = [*ADAPTERS, None]  # sequence i runs under names[i]
     refs = [reference(tiny_model, adapters[n] if n else None) for n in names]

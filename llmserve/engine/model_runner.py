@@ -111,6 +111,7 @@ class ModelRunner:
         if plan.native:
             kernels.select_isa(plan.cpu_isa.value)
         self.model.use_native_attention(plan.native)
+        self.model.use_native_lora(plan.native)
         linear = plan.linear_backend.value
         if linear.startswith("onednn-packed"):
             packed = pack_linears(self.model, plan.torch_dtype, plan.native, gemv=linear.endswith("+gemv"))

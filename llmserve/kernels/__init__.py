@@ -28,7 +28,7 @@ from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
 NAMES = ("isa.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "paged_attention.cpp", "gemv.cpp", "cache_write.cpp",
-         "packed_linear.cpp")
+         "packed_linear.cpp", "lora.cpp")
 SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
 # no -march: each ISA variant names its own target (-mtune only schedules for this CPU, and the
 # library runs on any x86-64); at::parallel_for needs OpenMP

@@ -9,6 +9,7 @@
 
 #include "decode.h"
 #include "gemv.h"
+#include "lora.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -17,17 +18,22 @@ namespace {
 #define LLMSERVE_AVX2
 using llmserve::DecodeFn;
 using llmserve::GemvFn;
+using llmserve::LoraBlock;
+using llmserve::LoraBlockFn;
+using llmserve::LoraGeom;
 using llmserve::DecodeGeom;
 using llmserve::DecodeItem;
 using llmserve::KvType;
 #include "vec.h"
 #include "decode_kernel.h"
 #include "gemv_kernel.h"
+#include "lora_kernel.h"
 }  // namespace
 
 namespace llmserve {
 
 GemvFn pick_gemv_avx2(KvType weight) { return gemv_variant(weight); }
+LoraBlockFn pick_lora_avx2(KvType weight) { return lora_variant(weight); }
 
 // head_dim 16, 32, 64 or 128 (Llama-style models use 64 or 128); others take the portable loop
 DecodeFn pick_avx2(KvType kv, int64_t hd) {

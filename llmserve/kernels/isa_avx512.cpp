@@ -11,6 +11,7 @@
 
 #include "decode.h"
 #include "gemv.h"
+#include "lora.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
@@ -19,12 +20,16 @@ namespace {
 #define LLMSERVE_AVX512
 using llmserve::DecodeFn;
 using llmserve::GemvFn;
+using llmserve::LoraBlock;
+using llmserve::LoraBlockFn;
+using llmserve::LoraGeom;
 using llmserve::DecodeGeom;
 using llmserve::DecodeItem;
 using llmserve::KvType;
 #include "vec.h"
 #include "decode_kernel.h"
 #include "gemv_kernel.h"
+#include "lora_kernel.h"
 
 // bf16 queries against bf16 rows: bf16 x bf16 products are exact in fp32, so only the summation
 // order differs from the fp32 path; the scale is applied to the sums. q [g, hd] raw bf16.
@@ -52,11 +57,13 @@ void run_dpbf16(const DecodeItem& it, const DecodeGeom& geo) {
   const int64_t n = geo.g * NV * 16;
   attend<uint16_t, NV>(it, geo, Bf16Dot<NV>{static_cast<const uint16_t*>(it.q)}, geo.scale, it.scratch);
 }
+
 }  // namespace
 
 namespace llmserve {
 
 GemvFn pick_gemv_avx512(KvType weight) { return gemv_variant(weight); }
+LoraBlockFn pick_lora_avx512(KvType weight) { return lora_variant(weight); }
 
 DecodeFn pick_avx512(KvType kv, bool q_bf16, bool dpbf16, int64_t hd) {
   const bool dp = kv == KvType::kBFloat16 && q_bf16 && dpbf16;

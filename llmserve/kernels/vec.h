@@ -18,6 +18,13 @@ inline float scalar(uint16_t x) {  // bf16 bits -> fp32
   __builtin_memcpy(&f, &bits, sizeof(f));
   return f;
 }
+// fp32 -> float or bf16 bits, rounded to nearest even as torch rounds (a NaN stays a quiet NaN)
+inline void put(float* p, float x) { *p = x; }
+inline void put(uint16_t* p, float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  *p = x != x ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
 
 #if defined(LLMSERVE_AVX512)
 struct Vec {
@@ -32,6 +39,13 @@ inline Vec vload(const uint16_t* p) {  // 16 bf16 -> fp32: widen and shift into 
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline void vstore(uint16_t* p, Vec a) {  // 16 fp32 -> bf16, as put() rounds
+  const __m512i b = _mm512_castps_si512(a.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
 inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -76,6 +90,14 @@ inline Vec vload(const uint16_t* p) {  // 8 bf16 -> fp32: widen and shift into t
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
 }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline void vstore(uint16_t* p, Vec a) {  // 8 fp32 -> bf16, as put() rounds
+  const __m256i b = _mm256_castps_si256(a.v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
 inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }

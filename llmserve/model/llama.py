@@ -139,12 +139,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.lora_widths: tuple[int, ...] = ()  # set by enable_lora
+        self.lora_slots: list[LoRASlots] = []  # set by enable_lora
 
     def use_native_attention(self, enabled: bool) -> None:
         """Decode attention and the KV-cache write through the native kernels (True) or pure torch."""
         for layer in self.layers:
             layer.self_attn.attn.native = bool(enabled)
+
+    def use_native_lora(self, enabled: bool) -> None:
+        """The LoRA deltas through llmserve::lora_add (True; CPU only) or torch ops."""
+        for slots in self.lora_slots:
+            slots.native = bool(enabled)
 
     def enable_lora(self, num_slots: int, max_rank: int) -> dict[tuple[int, str], LoRASlots]:
         """A LoRASlots beside every fused linear; (layer, fused layer name) -> its slots."""
@@ -158,8 +163,13 @@ class LlamaForCausalLM(nn.Module):
             for name, slots in (("qkv_proj", attn.qkv_lora), ("o_proj", attn.o_lora), ("gate_up_proj", mlp.gate_up_lora),
                                 ("down_proj", mlp.down_lora)):
                 out[(i, name)] = slots.to(self.embed_tokens.weight.device, self.embed_tokens.weight.dtype)
-        self.lora_widths = tuple(sorted({s.width for s in out.values()}))  # n * R of each kind of slots: a mask each per step
+        self.lora_slots = list(out.values())
         return out
+
+    @property
+    def lora_widths(self) -> tuple[int, ...]:
+        """n * R of each kind of slots that takes the torch path: a mask each per step."""
+        return tuple(sorted({s.width for s in self.lora_slots if not s.native}))
 
     @property
     def native_decode(self) -> bool:
