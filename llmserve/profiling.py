@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmserve.engine.request import Timeline
+    from llmserve.engine.outputs import Timeline
 
 STAGES = ("schedule", "prepare", "forward", "sample", "detokenize", "update")
 

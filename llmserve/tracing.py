@@ -12,14 +12,32 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
-from llmserve.engine.request import Request
+from llmserve.engine.outputs import Timeline
 from llmserve.profiling import StepRecord
 
 ENGINE_PID, REQUESTS_PID = 1, 2
 
 
-def trace_events(steps: Iterable[StepRecord], requests: Iterable[Request]) -> dict:
+class TracedRequest(Protocol):
+    """What a trace reads of a request (the engine's Request has it): observability imports no
+    engine internals."""
+
+    request_id: str
+    timeline: Timeline
+    output_token_ids: list[int]
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+def trace_events(steps: Iterable[StepRecord], requests: Iterable[TracedRequest]) -> dict:
     """{"traceEvents": [...], "displayTimeUnit": "ms"}; a child span never leaves its parent."""
     steps, requests = list(steps), list(requests)
     starts = [s.start for s in steps] + [r.timeline.arrival for r in requests]
@@ -45,7 +63,7 @@ def trace_events(steps: Iterable[StepRecord], requests: Iterable[Request]) -> di
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _request_events(r: Request, tid: int, us: Callable[[float], float]) -> list[dict]:
+def _request_events(r: TracedRequest, tid: int, us: Callable[[float], float]) -> list[dict]:
     tl = r.timeline
     first = tl.token_times[0] if tl.token_times else None
     end = tl.finished or (tl.token_times[-1] if tl.token_times else None) or tl.first_scheduled or tl.arrival
@@ -74,5 +92,5 @@ def _name(kind: str, pid: int, tid: int, name: str) -> dict:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
 
 
-def write_trace(path: str | Path, steps: Iterable[StepRecord], requests: Iterable[Request]) -> None:
+def write_trace(path: str | Path, steps: Iterable[StepRecord], requests: Iterable[TracedRequest]) -> None:
     Path(path).write_text(json.dumps(trace_events(steps, requests)))

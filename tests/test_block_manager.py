@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from llmserve.engine.block_manager import KVCacheManager, hash_block, namespace_hash
+from llmserve.engine.block_hash import hash_block, namespace_hash
+from llmserve.engine.block_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
 from llmserve.sampling import SamplingParams

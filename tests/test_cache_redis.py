@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_harness import live_server, server_process, sse_data, torch_threads_restored, wait_for
 
-from llmserve.engine.block_manager import hash_block, namespace_hash
+from llmserve.engine.block_hash import hash_block, namespace_hash
 from llmserve.engine.llm import LLM
 from llmserve.model.loader import fingerprint
 from llmserve.sampling import SamplingParams

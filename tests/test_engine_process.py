@@ -54,6 +54,18 @@ def test_server_reaches_the_engine_only_through_the_door():
     assert internals == []
 
 
+def test_observability_and_the_router_import_no_engine_internals():
+    """profiling.py and tracing.py read the door's records only; the Ray router hashes prefixes
+    with the pure block_hash module, not the block manager; the block manager loads no torch."""
+    for name in ("profiling.py", "tracing.py"):
+        assert _engine_imports(ROOT / "llmserve" / name) - DOOR == set(), name
+    router = _engine_imports(ROOT / "llmserve" / "ray_serve" / "router.py")
+    assert "llmserve.engine.block_hash" in router and "llmserve.engine.block_manager" not in router
+    code = "import sys, llmserve.engine.block_manager; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout.split()
+    assert "llmserve.engine.block_manager" in loaded and "torch" not in loaded
+
+
 def test_sigkill_of_the_core_ends_every_request_and_the_server_exits_nonzero(tiny_model, tmp_path):
     long = {"max_tokens": 900, "temperature": 0, "ignore_eos": True}
     requests = [

@@ -14,12 +14,11 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from llmserve.engine.block_hash import chain_block_hashes, hash_block, namespace_hash
 from llmserve.engine.request import Request
 
 
@@ -29,26 +28,6 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens hashed into block_hash
-
-
-def hash_block(parent: bytes, token_ids: tuple[int, ...] | list[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-def chain_block_hashes(root: bytes, token_ids: list[int], block_size: int, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
-    """(hash, tokens) of the first `num_blocks` full blocks of `token_ids`, each hash chained over
-    its parent's from `root`. The engine's prefix cache keys blocks by it, and the Ray request
-    router (ray_serve/router.py) keys prompt prefixes by it."""
-    chain, parent = [], root
-    for i in range(min(num_blocks, len(token_ids) // block_size)):
-        chunk = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = hash_block(parent, chunk)
-        chain.append((parent, chunk))
-    return chain
-
-
-def namespace_hash(namespace: str) -> bytes:
-    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
 
 
 class BlockPool:

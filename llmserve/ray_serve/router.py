@@ -1,7 +1,7 @@
 """PrefixAwareRouter: a Ray Serve request router for the Engine deployment that sends prompts
 sharing a prefix to the replica whose prefix cache holds it.
 
-Key: the chained hashes (engine/block_manager.chain_block_hashes, as the engine's prefix cache
+Key: the chained hashes (engine/block_hash.chain_block_hashes, as the engine's prefix cache
 keys its blocks) of the prompt's first `prefix_blocks` full KV blocks. The router remembers, for
 each hash, the replicas that were sent a prompt through it (an LRU of `max_entries` hashes), and
 prefers the least loaded of those holding the longest remembered prefix; a new prefix goes to the
@@ -27,7 +27,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from llmserve.engine.block_manager import chain_block_hashes, namespace_hash
+from llmserve.engine.block_hash import chain_block_hashes, namespace_hash
 
 ROOT = namespace_hash("llmserve-router")
 PRUNE_CHOICES_AT = 256
