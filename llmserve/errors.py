@@ -42,6 +42,13 @@ class EngineOverloadedError(LLMServeError):
         self.retry_after_s = retry_after_s
 
 
+class StoreUnavailableError(LLMServeError):
+    """A shared store (Redis) that must answer could not: the breaker is open, or the call failed."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
 class EngineDeadError(LLMServeError):
     status_code = 503
     error_type = "service_unavailable"

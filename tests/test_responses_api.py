@@ -173,3 +173,17 @@ def test_responses_are_stored_in_redis(tiny_model, redis_server):
         assert follow.status == "incomplete"
         client.responses.delete(r.id)
         assert redis_server.client().exists(key) == 0
+
+
+def test_a_store_redis_that_does_not_answer_is_a_503_not_a_404(tiny_model):
+    """With the store's Redis down, a stored response may still exist: reading, continuing or
+    deleting it is a 503 the client may retry, never a 404 that says it is gone."""
+    from redis_fixture import free_port
+    with live_server(tiny_model, redis_url=f"redis://127.0.0.1:{free_port()}", redis_timeout=0.2) as s:
+        gets = [httpx.get(f"{s.url}/v1/responses/resp_abc", timeout=30) for _ in range(2)]  # a failure, then the open breaker
+        cont = httpx.post(f"{s.url}/v1/responses", json={"model": s.model, "input": "hi", "previous_response_id": "resp_abc",
+                                                        "max_output_tokens": 2}, timeout=30)
+        gone = httpx.delete(f"{s.url}/v1/responses/resp_abc", timeout=30)
+        for r in [*gets, cont, gone]:
+            assert r.status_code == 503, (r.status_code, r.text)
+            assert r.json()["error"]["type"] == "service_unavailable"

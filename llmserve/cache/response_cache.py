@@ -32,6 +32,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from llmserve.cache.breaker import CircuitBreaker
 from llmserve.cache.framing import frame, unframe
+from llmserve.errors import StoreUnavailableError
 
 logger = logging.getLogger("llmserve.cache")
 MAGIC = b"LLMSRC"
@@ -169,6 +170,12 @@ class InMemoryLRU:
         return len(self.entries)
 
 
+def _unavailable(strict: bool, why: str) -> None:
+    if strict:
+        raise StoreUnavailableError(f"Redis did not answer ({why}); try again later")
+    return None
+
+
 class RedisResponseStore:
     """GET/SET on a shared Redis; every call bounded by timeout_s, skipped while the breaker is
     open; failures are counted in stats.errors and return None."""
@@ -185,25 +192,27 @@ class RedisResponseStore:
         self.timeout_s = timeout_s
         self.breaker = CircuitBreaker("response-cache")
 
-    async def get(self, key: str) -> bytes | None:
-        return await self._call(lambda: self.client.get(key))
+    async def get(self, key: str, strict: bool = False) -> bytes | None:
+        return await self._call(lambda: self.client.get(key), strict)
 
     async def set(self, key: str, value: bytes, ttl_s: int) -> bool:
         return bool(await self._call(lambda: self.client.set(key, value, ex=ttl_s)))
 
-    async def delete(self, key: str) -> bool:
-        return bool(await self._call(lambda: self.client.delete(key)))
+    async def delete(self, key: str, strict: bool = False) -> bool:
+        return bool(await self._call(lambda: self.client.delete(key), strict))
 
-    async def _call(self, op: Callable[[], Awaitable[Any]]) -> Any:
+    async def _call(self, op: Callable[[], Awaitable[Any]], strict: bool = False) -> Any:
+        """op's result; on a failure (or an open breaker) None, or with `strict`
+        StoreUnavailableError: where an absent value would be a wrong answer, not a miss."""
         if not self.breaker.allow():
-            return None
+            return _unavailable(strict, "the circuit breaker is open")
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await op()
         except Exception as e:  # redis-py raises many kinds (connection, protocol); and timeouts
             self.stats.errors += 1
             self.breaker.failure(e)
-            return None
+            return _unavailable(strict, type(e).__name__)
         self.breaker.success()
         return result
 

@@ -44,7 +44,7 @@ ERROR_STATUSES = {
     413: "Body larger than --max-request-bytes",
     415: "Body is not JSON",
     429: "Server overloaded; retry after the Retry-After header",
-    503: "Engine not running, or shutting down",
+    503: "Engine not running or shutting down, or a shared store it needs (Redis) did not answer",
 }
 
 

@@ -10,7 +10,8 @@ OpenAI). Values are msgspec JSON, tagged with their version; one that does not d
 Backends: in process, an LRU bounded by count (--response-store-size) and bytes
 (--response-store-bytes), or Redis under --redis-url, so that replicas share conversations;
 entries expire after --response-cache-ttl either way. Writes finish before the response that
-made them is answered, so a follow-up turn always finds its predecessor.
+made them is answered, so a follow-up turn always finds its predecessor. A Redis that does not
+answer a read or a delete is a 503 (StoreUnavailableError), not a 404: the response may exist.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ResponseStore:
 
     async def get(self, response_id: str) -> StoredResponse | None:
         key = KEY_PREFIX + response_id
-        raw = self.local.get(key) if self.local is not None else await self.redis.get(key)  # type: ignore[union-attr]
+        raw = self.local.get(key) if self.local is not None else await self.redis.get(key, strict=True)  # type: ignore[union-attr]
         if raw is None:
             return None
         try:
@@ -61,7 +62,7 @@ class ResponseStore:
 
     async def delete(self, response_id: str) -> bool:
         key = KEY_PREFIX + response_id
-        return self.local.delete(key) if self.local is not None else await self.redis.delete(key)  # type: ignore[union-attr]
+        return self.local.delete(key) if self.local is not None else await self.redis.delete(key, strict=True)  # type: ignore[union-attr]
 
     async def close(self) -> None:
         if self.redis is not None:
