@@ -98,7 +98,7 @@ class EngineCoreProc:
             for rid in msg.request_ids:
                 self.engine.abort_request(rid)
         elif isinstance(msg, GetStats):
-            self._send(StatsReply(msg.call_id, self.engine.get_stats()))
+            self._send(StatsReply(msg.call_id, self.engine.get_stats(memory=True)))
         elif isinstance(msg, BadFrame):  # a bug on the server side: refuse that request, carry on
             logger.error("engine core: unreadable message (%s)", msg.error)
             added = msg.added_request()

@@ -369,7 +369,9 @@ class LLMEngine:
         if self.proposer is not None and sched.num_prefill_tokens == 0:  # what a decode row costs
             self.proposer.observe_step(sched.num_decode_seqs + sched.num_spec_tokens, record.duration_s)
 
-    def get_stats(self) -> EngineStats:
+    def get_stats(self, memory: bool = False) -> EngineStats:
+        """The engine's figures; with `memory`, also the process's memory (mallinfo2 and /proc
+        reads: for stats asked for, not for the per-step ones)."""
         pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -383,7 +385,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             kv_store=self.kv_store.stats.as_dict() if self.kv_store else {},
-            memory=memory_stats(),
+            memory=memory_stats() if memory else {},
             spec_decode=self.proposer.stats.as_dict() if self.proposer else {},
             by_priority=self.scheduler.counts_by_priority(),
             lora=self._lora_stats(),

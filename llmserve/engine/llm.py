@@ -66,7 +66,7 @@ class LLM:
         return results
 
     def get_stats(self):
-        return self.engine.get_stats()
+        return self.engine.get_stats(memory=True)
 
     def close(self) -> None:
         """Flush the Redis KV tier's queued writes and close its connections (see LLMEngine.close)."""

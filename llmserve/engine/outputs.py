@@ -94,7 +94,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     kv_store: dict[str, int] = field(default_factory=dict)
-    memory: dict[str, int] = field(default_factory=dict)  # the engine's process: llmserve.memory.memory_stats()
+    memory: dict[str, int] = field(default_factory=dict)  # the engine's process: llmserve.memory.memory_stats(), in stats asked for only ({} per step)
     spec_decode: dict[str, Any] = field(default_factory=dict)  # spec_decode.SpecStats.as_dict(), {} when off
     by_priority: dict[str, list[int]] = field(default_factory=dict)  # priority -> [running, waiting]; {} under fcfs
     lora: dict[str, Any] = field(default_factory=dict)  # --enable-lora: {"running": [names], "waiting": [names], "max_lora": n}
