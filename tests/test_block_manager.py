@@ -129,32 +129,63 @@ def test_preemption_and_no_leak_with_random_traffic():
     assert all(len(r.output_token_ids) == r.max_tokens for r in reqs if r.status is RequestStatus.FINISHED_LENGTH)
 
 
-class CountingTier:
-    """An external tier that holds nothing and counts lookups."""
+class ManualConnector:
+    """A KV connector whose loads end when the test says, each with `hold` leading blocks found."""
 
-    def __init__(self):
-        self.fetches = 0
+    def __init__(self, hold: int):
+        self.hold, self.started, self.ended = hold, {}, []
 
-    def fetch(self, hashes):
-        self.fetches += 1
-        return []
+    def start_load(self, request_id, hashes, block_ids):
+        assert request_id not in self.started  # asked once per request
+        self.started[request_id] = (hashes, block_ids)
 
-    def load(self, block_id, payload):
-        raise AssertionError("nothing to load")
+    def end(self, request_id):
+        self.ended.append((request_id, min(self.hold, len(self.started[request_id][0]))))
+
+    def finished_loads(self):
+        out, self.ended = self.ended, []
+        return out
 
     def store_block(self, block_id, block_hash):
         pass
 
+    def wait(self, timeout_s):
+        pass
 
-def test_external_tier_is_asked_once_per_admission():
-    kv = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable blocks
-    kv.tier = CountingTier()
+    def close(self):
+        pass
+
+
+def test_a_loading_prefix_waits_off_the_loop_and_its_blocks_become_hits():
+    """A request whose prefix the connector holds waits in WAITING_FOR_REMOTE_KVS while the others
+    step; once the load ends, its loaded blocks are cached hits and it is admitted past them."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv.connector = ManualConnector(hold=2)
     s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
-    s.add_request(req("a", list(range(10)), max_tokens=2))  # takes all 3 blocks
-    s.add_request(req("b", list(range(20, 30)), max_tokens=2))  # must wait for blocks
-    for _ in range(4):
-        drive_one(s)  # b is looked up while it waits, but the tier only once
-    assert kv.tier.fetches == 2
+    short, long = req("short", [1, 2, 3], max_tokens=6), req("long", list(range(13)), max_tokens=2)
+    s.add_request(short)  # no full block: nothing to ask
+    s.add_request(long)  # 3 full blocks before its last token: asked for them
+    for _ in range(3):
+        drive_one(s)
+    assert long.status is RequestStatus.WAITING_FOR_REMOTE_KVS and len(short.output_token_ids) == 3
+    assert list(kv.connector.started) == ["long"] and len(kv.connector.started["long"][1]) == 3
+    kv.connector.end("long")
+    drive_one(s)
+    assert long.status is RequestStatus.RUNNING and long.num_cached_tokens == 8
     while s.has_unfinished():
         drive_one(s)
-    assert kv.tier_asked == set() and kv.num_free_blocks == 3
+    assert kv.num_free_blocks == 15 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_a_request_freed_while_loading_gets_its_blocks_back_when_the_load_ends():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv.connector = ManualConnector(hold=3)
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    r = req("r", list(range(13)), max_tokens=2)
+    s.add_request(r)
+    drive_one(s)
+    s.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 12  # the connector may still be writing into its 3 blocks
+    kv.connector.end("r")
+    drive_one(s)
+    assert kv.num_free_blocks == 15 and not kv.pool.cached and not s.has_unfinished()

@@ -15,8 +15,9 @@ runs every command already in its input buffer before it writes any reply, so se
 MGETs of a 64-block float32 prefix (47 MB) at once held its first byte back 30-50 ms, past the
 50 ms timeout; a window of two keeps Redis streaming, each wait bounded by the time Redis takes
 to build one ~2 MB reply, and the whole fetch still costs a single round trip of latency plus
-transfer time. Any Redis error or a timeout (default 50 ms per socket operation) counts as a miss
-and trips the circuit breaker.
+transfer time. Fetches run off the step loop (KVConnector, below), within a budget sized by
+their bytes (LOAD_LATENCY_S plus the bytes at LOAD_MIN_RATE). Any Redis error or a fetch past its
+budget counts as a miss and trips the circuit breaker.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import threading
 import time
 import warnings
 import zlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 import torch
@@ -40,6 +42,10 @@ VERSION = 2
 WRITE_BATCH = 8  # blocks per pipelined write-behind (~6 MB of float32 SmolLM2 blocks)
 FETCH_BYTES = 2 << 20  # payload per MGET in a fetch (at least one block)
 WINDOW = 2  # MGETs in flight during a fetch
+# A fetch's budget: a latency allowance plus its bytes at a floor rate. Loads run off the step
+# loop (KVConnector), so the budget can wait out a slow Redis without stalling a decode.
+LOAD_LATENCY_S = 0.5
+LOAD_MIN_RATE = 100e6  # bytes/s
 
 
 @dataclass(slots=True)
@@ -89,9 +95,11 @@ class RedisKVStore:
                  ttl_s: int = 3600, timeout_s: float = 0.05, max_pending: int = 1024):
         import redis
 
-        # reads sit on the engine's critical path and must fail fast; writes run behind, in a thread
-        # that a busy engine may starve for a while, so only their connect timeout is short
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # reads run in the connector's loader thread, each socket operation bounded by one MGET's
+        # budget and the fetch by its own; writes run behind, in a thread that a busy engine may
+        # starve for a while. Only the connect timeouts are short.
+        self.latency_s = max(timeout_s, LOAD_LATENCY_S)
+        self.client = redis.Redis.from_url(url, socket_timeout=self.budget_s(FETCH_BYTES), socket_connect_timeout=timeout_s)
         self.write_client = redis.Redis.from_url(url, socket_timeout=max(1.0, timeout_s), socket_connect_timeout=timeout_s)
         self.prefix = f"llmserve:kv:{namespace}:"
         self.shape, self.dtype, self.ttl_s = shape, dtype, ttl_s
@@ -102,6 +110,10 @@ class RedisKVStore:
         self.writer = threading.Thread(target=self._write_loop, name="llmserve-kv-writer", daemon=True)
         self.writer.start()
         self.closed = False
+
+    def budget_s(self, nbytes: int) -> float:
+        """How long a fetch of nbytes may take before it counts as a miss."""
+        return self.latency_s + nbytes / LOAD_MIN_RATE
 
     def key(self, block_hash: bytes) -> str:
         return self.prefix + block_hash.hex()
@@ -140,6 +152,7 @@ class RedisKVStore:
     def _mget_stream(self, keys: list[str]) -> list[bytes | None]:
         per = max(1, FETCH_BYTES // self.block_bytes)
         groups = [keys[i : i + per] for i in range(0, len(keys), per)]
+        deadline = time.monotonic() + self.budget_s(len(keys) * self.block_bytes)
         pool = self.client.connection_pool
         conn = pool.get_connection()
         raws: list[bytes | None] = []
@@ -149,6 +162,8 @@ class RedisKVStore:
                 while sent < min(len(groups), i + WINDOW):
                     conn.send_command("MGET", *groups[sent], check_health=False)  # no PING amid replies
                     sent += 1
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the fetch of {len(keys)} blocks ran past its budget")
                 reply = conn.read_response()
                 if not isinstance(reply, list) or len(reply) != len(groups[i]):
                     raise ValueError(f"MGET of {len(groups[i])} keys answered with {type(reply).__name__}")
@@ -226,19 +241,51 @@ class RedisKVStore:
         return dropped
 
 
-class KVTier:
-    """Binds a RedisKVStore to the model runner's cache tensors for the block manager."""
+class KVConnector:
+    """The Redis tier as the engine's KV connector (vLLM's name for it): the block manager asks it
+    to load a request's prefix blocks into blocks reserved for them, and the load runs in a thread
+    of its own, off the step loop, while the running requests keep stepping. A load that fails or
+    runs out of its budget loads fewer blocks (none, at worst): the request computes the rest.
+    Stores go behind, from RedisKVStore's writer thread. The copies into the cache touch only the
+    reserved blocks, which no step reads until the load has finished."""
 
     def __init__(self, store: RedisKVStore, kv_caches: list[torch.Tensor]):
         self.store = store
         self.kv_caches = kv_caches  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="llmserve-kv-loader")
+        self.loads: dict[str, Future[int]] = {}  # request_id -> blocks loaded, once done
 
-    def fetch(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        return self.store.fetch(hashes)
+    def start_load(self, request_id: str, hashes: list[bytes], block_ids: list[int]) -> None:
+        self.loads[request_id] = self.loader.submit(self._load, hashes, block_ids)
 
-    def load(self, block_id: int, kv: torch.Tensor) -> None:
-        for layer, cache in enumerate(self.kv_caches):
-            cache[:, block_id].copy_(kv[layer])
+    def _load(self, hashes: list[bytes], block_ids: list[int]) -> int:
+        payloads = self.store.fetch(hashes)
+        for block_id, kv in zip(block_ids, payloads, strict=False):
+            for layer, cache in enumerate(self.kv_caches):
+                cache[:, block_id].copy_(kv[layer])
+        return len(payloads)
+
+    def finished_loads(self) -> list[tuple[str, int]]:
+        """(request_id, blocks loaded) of the loads done since the last call."""
+        done = [rid for rid, f in self.loads.items() if f.done()]
+        return [(rid, _loaded(self.loads.pop(rid))) for rid in done]
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a load finishes, or timeout_s."""
+        if self.loads:
+            wait(list(self.loads.values()), timeout_s, FIRST_COMPLETED)
 
     def store_block(self, block_id: int, block_hash: bytes) -> None:
         self.store.put(block_hash, torch.stack([c[:, block_id] for c in self.kv_caches]))
+
+    def close(self) -> None:
+        self.loader.shutdown(wait=True, cancel_futures=True)
+
+
+def _loaded(f: Future[int]) -> int:
+    if f.cancelled():
+        return 0
+    if f.exception() is not None:  # fetch() turns Redis errors into misses: this is a bug, not a miss
+        logger.error("KV connector: a load failed: %r", f.exception())
+        return 0
+    return f.result()

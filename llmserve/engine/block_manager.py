@@ -10,13 +10,19 @@ Invariants:
   otherwise the chain's root is the
   namespace (model fingerprint, block size, dtype), so different models never share blocks.
   A hit is confirmed by comparing the block's token ids, not only the hash.
+- With a KV connector (the Redis tier), the blocks after a request's local hits are asked for
+  once per request: free blocks are reserved for them (held, in `loading`) while the connector
+  fills them off the step loop; when the load ends, the leading run that arrived is registered
+  as cached and every reserved block is released. A request freed meanwhile gets nothing
+  registered, and its blocks come back only when the load ends (the connector may still write).
+  No I/O happens here.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from llmserve.engine.block_hash import chain_block_hashes, hash_block, namespace_hash
 from llmserve.engine.request import Request
@@ -86,12 +92,15 @@ class BlockPool:
         self.cached[block_hash] = block
 
 
-class ExternalKVTier(Protocol):
-    """A second tier of blocks by hash (cache/kv_store.py binds Redis to the cache tensors)."""
+class KVConnector(Protocol):
+    """A second tier of blocks by hash (cache/kv_store.py: Redis). It does the I/O, off the step
+    loop; the block manager only says which blocks to fill and registers what arrived."""
 
-    def fetch(self, hashes: list[bytes]) -> list[Any]: ...  # payloads of the leading run of hits
-    def load(self, block_id: int, payload: Any) -> None: ...  # payload -> the block's K/V
+    def start_load(self, request_id: str, hashes: list[bytes], block_ids: list[int]) -> None: ...  # fill these blocks
+    def finished_loads(self) -> list[tuple[str, int]]: ...  # (request_id, leading blocks filled) since the last call
     def store_block(self, block_id: int, block_hash: bytes) -> None: ...  # write behind
+    def wait(self, timeout_s: float) -> None: ...  # until a load ends, or timeout_s
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -111,8 +120,11 @@ class KVCacheManager:
     req_hashes: dict[str, list[bytes]] = field(default_factory=dict)  # hashes of full blocks
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     root: bytes = field(init=False)
-    tier: ExternalKVTier | None = None  # e.g. Redis, behind the local prefix cache
-    tier_asked: set[str] = field(default_factory=set)  # requests that already queried the tier
+    connector: KVConnector | None = None  # e.g. Redis, behind the local prefix cache
+    # request_id -> (the hash chain being loaded, the blocks reserved for it), until the load ends
+    loading: dict[str, tuple[list[tuple[bytes, tuple[int, ...]]], list[KVBlock]]] = field(default_factory=dict)
+    abandoned: set[str] = field(default_factory=set)  # loading requests freed before their load ended
+    asked: set[str] = field(default_factory=set)  # requests the connector was asked about: once per request
     lora_roots: dict[str, bytes] = field(default_factory=dict)  # adapter content hash -> its chains' root
 
     def __post_init__(self) -> None:
@@ -143,34 +155,55 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """Longest cached prefix of full blocks (local, then the external tier); at least one
-        token is always left to compute."""
+    def _chain(self, request: Request) -> list[tuple[bytes, tuple[int, ...]]]:
+        """Every full block that could be cached (at least one token is always left to compute)."""
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         tokens, bs = request.all_token_ids, self.block_size
-        chain = chain_block_hashes(self.root_of(request), tokens, bs, (len(tokens) - 1) // bs)  # every candidate block
+        return chain_block_hashes(self.root_of(request), tokens, bs, (len(tokens) - 1) // bs)
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Longest cached prefix of full blocks, in this cache (no I/O)."""
         hits: list[KVBlock] = []
-        for h, chunk in chain:
+        for h, chunk in self._chain(request):
             block = self.pool.lookup(h, chunk)
             if block is None:
                 break
             hits.append(block)
-        if self.tier is not None and len(hits) < len(chain) and request.request_id not in self.tier_asked:
-            self.tier_asked.add(request.request_id)  # one round trip per admission, not per step
-            hits += self._load_from_tier(chain[len(hits) :])
         return hits
 
-    def _load_from_tier(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[KVBlock]:
-        """Fetch consecutive blocks in one round trip into free blocks, registered as cached."""
-        payloads = self.tier.fetch([h for h, _ in chain])  # type: ignore[union-attr]
-        n = min(len(payloads), self.pool.num_free)
-        blocks = self.pool.allocate(n)
-        for block, (h, chunk), kv in zip(blocks, chain, payloads, strict=False):
-            self.tier.load(block.block_id, kv)  # type: ignore[union-attr]
-            self.pool.register(block, h, chunk)
-        self.pool.release(list(reversed(blocks)))  # cached and free, until allocate_slots takes them
-        return blocks
+    def start_remote_load(self, request: Request, hits: list[KVBlock]) -> bool:
+        """Ask the connector for the blocks after the local hits, into free blocks reserved for
+        them, once per request; False when there is nothing to ask (no connector, asked before,
+        no such blocks, no free block)."""
+        if self.connector is None or request.request_id in self.asked:
+            return False
+        self.asked.add(request.request_id)
+        rest = self._chain(request)[len(hits):]
+        self.pool.touch(hits)  # held, so that reserving blocks cannot evict them
+        n = min(len(rest), self.pool.num_free - len(self.req_blocks))  # a block to spare per holder
+        blocks = self.pool.allocate(n) if n > 0 else []
+        self.pool.release(list(reversed(hits)))
+        if not blocks:
+            return False
+        self.loading[request.request_id] = (rest[:n], blocks)
+        self.connector.start_load(request.request_id, [h for h, _ in rest[:n]], [b.block_id for b in blocks])
+        return True
+
+    def finish_remote_loads(self) -> list[str]:
+        """Register the blocks of the loads that ended as cached (and free, until allocate_slots
+        takes them); the ids of their requests, but for those freed meanwhile."""
+        ended = []
+        for rid, n in self.connector.finished_loads() if self.connector is not None else []:
+            chain, blocks = self.loading.pop(rid)
+            abandoned = rid in self.abandoned
+            self.abandoned.discard(rid)
+            for block, (h, chunk) in zip(blocks[: 0 if abandoned else n], chain, strict=False):
+                self.pool.register(block, h, chunk)
+            self.pool.release(list(reversed(blocks)))
+            if not abandoned:
+                ended.append(rid)
+        return ended
 
     def record_prefix_query(self, request: Request, hits: list[KVBlock]) -> None:
         """Counted once, when the request is admitted."""
@@ -209,12 +242,14 @@ class KVCacheManager:
             hashes.append(h)
             self.pool.register(blocks[i], h, chunk)
             new.append(blocks[i])
-            if self.tier is not None:
-                self.tier.store_block(blocks[i].block_id, h)
+            if self.connector is not None:
+                self.connector.store_block(blocks[i].block_id, h)
         return new
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_hashes.pop(request.request_id, None)
-        self.tier_asked.discard(request.request_id)
+        self.asked.discard(request.request_id)
+        if request.request_id in self.loading:  # the connector still fills its blocks: released when it ends
+            self.abandoned.add(request.request_id)
         self.pool.release(list(reversed(blocks)))

@@ -100,6 +100,8 @@ class LLMEngine:
     def close(self) -> None:
         """Send (or drop, counted and logged) the Redis tier's queued writes and close its
         connections. Idempotent; the engine takes no requests afterwards."""
+        if self.kv.connector is not None:
+            self.kv.connector.close()  # after any load in flight (bounded by its budget)
         if self.kv_store is not None:
             self.kv_store.close()
         if self._grammar_pool is not None:
@@ -115,13 +117,13 @@ class LLMEngine:
         """The Redis tier behind the local prefix cache, when --redis-url is set."""
         if not (config.redis_url and config.enable_prefix_caching):
             return None
-        from llmserve.cache.kv_store import KVTier, RedisKVStore
+        from llmserve.cache.kv_store import KVConnector, RedisKVStore
 
         c = self.model_config
         shape = (c.num_hidden_layers, 2, config.block_size, c.num_key_value_heads, c.head_dim)
         namespace = self.kv.namespace.replace(":", "-")
         store = RedisKVStore(config.redis_url, namespace, shape, self.kv_dtype, timeout_s=config.redis_timeout)
-        self.kv.tier = KVTier(store, self.runner.kv_caches)
+        self.kv.connector = KVConnector(store, self.runner.kv_caches)
         return store
 
     def _lora_manager(self, config: EngineConfig) -> LoRAManager | None:
@@ -267,9 +269,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         outputs, self.pending = self.pending, []
-        if sched.empty:
-            if self.compiling:  # nothing to run but grammars being built: do not spin
+        if sched.empty:  # nothing to run but grammars being built or prefixes loading: do not spin
+            if self.compiling:
                 wait([f for _, f in self.compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+            elif self.scheduler.loading and self.kv.connector is not None:
+                self.kv.connector.wait(0.005)
             return outputs
         run = self.runner.execute(sched)
         t2 = time.perf_counter()
@@ -375,7 +379,7 @@ class LLMEngine:
         pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             num_blocks_total=pool.num_usable,
             num_blocks_free=pool.num_free,
             num_blocks_used=pool.num_usable - pool.num_free,

@@ -16,6 +16,7 @@ __all__ = ["Request", "RequestStatus", "Timeline", "TokenLogprobs"]
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prefix blocks load from the KV connector
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS: their prefixes load off the loop
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -82,12 +83,16 @@ class Scheduler:
         return counts
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
+        for rid in self.kv.finish_remote_loads():  # back in line, their loaded blocks now local hits
+            req = self.loading.pop(rid)
+            req.status = RequestStatus.WAITING
+            self._enqueue(self.waiting, req, front=True)
         if self.priority:
             self._preempt_for_better_waiting()
         speculate = self.proposer is not None and self.proposer.begin_step(len(self.running))
@@ -133,6 +138,11 @@ class Scheduler:
                 held_back = True
                 continue
             computed = self.kv.get_computed_blocks(req)
+            if req.status is RequestStatus.WAITING and self.kv.start_remote_load(req, computed):
+                self.waiting.remove(req)
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[req.request_id] = req
+                continue
             num_cached = len(computed) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, computed):
@@ -238,6 +248,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.loading.pop(req.request_id, None)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
