@@ -27,7 +27,7 @@ class DelayingProxy:
     never). Requests pass at once."""
 
     def __init__(self, upstream: tuple[str, int], delay_s: float | None):
-        self.upstream, self.delay_s = upstream, delay_s
+        self.upstream, self.delay_s = upstream, delay_s  # may change while connections are open
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.closed = False
@@ -44,13 +44,13 @@ class DelayingProxy:
             except OSError:
                 return
             server = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.delay_s), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, delay_s: float | None) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
         try:
             while data := src.recv(1 << 16):
+                delay_s = self.delay_s if replies else 0.0
                 if delay_s is None:
                     continue  # swallowed: this Redis never answers
                 arrived = time.monotonic()
@@ -69,6 +69,7 @@ class DelayingProxy:
 
 @pytest.fixture
 def proxy(redis_server) -> Iterator[callable]:
+    redis_server.client().flushall()  # each test counts the blocks it writes
     made: list[DelayingProxy] = []
 
     def make(delay_s: float | None) -> DelayingProxy:
@@ -94,11 +95,12 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4) -> dict:
 
 def store_prefix(url: str, prefix: list[int], redis_server) -> None:
     """A server on Redis itself computes the prefix; its blocks reach Redis (write-behind)."""
+    before = len(redis_server.client().keys("llmserve:kv:*"))
     complete(url, prefix + [5])
     deadline = time.monotonic() + 20
-    while len(redis_server.client().keys("llmserve:kv:*")) < PREFIX // 16 and time.monotonic() < deadline:
+    while len(redis_server.client().keys("llmserve:kv:*")) < before + PREFIX // 16 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(redis_server.client().keys("llmserve:kv:*")) >= PREFIX // 16
+    assert len(redis_server.client().keys("llmserve:kv:*")) >= before + PREFIX // 16
 
 
 def stream_gaps(url: str, seed: int, n: int, gaps: list[float], started: threading.Event) -> None:
@@ -136,27 +138,33 @@ def p99(xs: list[float]) -> float:
 
 
 def test_a_slow_redis_does_not_stall_decoding(tiny_model, redis_server, proxy, tmp_path):
-    prefix = ids(1, PREFIX)
+    """The same arrival twice, while four streams decode: a prefix from a Redis that answers at
+    once, then another from one that holds its replies 200 ms. The streams' gaps must not tell
+    the two apart (a 200 ms stall of the step loop would put four gaps of >= 200 ms above the
+    p99), and the second prefix still comes from Redis."""
+    fast_prefix, slow_prefix = ids(1, PREFIX), ids(3, PREFIX)
     with server_process(tiny_model, tmp_path / "a.log", "--redis-url", redis_server.url) as a:
-        store_prefix(a.url, prefix, redis_server)
-    slow = proxy(0.2)
-    with server_process(tiny_model, tmp_path / "b.log", "--redis-url", slow.url) as b:
+        store_prefix(a.url, fast_prefix, redis_server)
+        store_prefix(a.url, slow_prefix, redis_server)
+    line = proxy(0.0)
+    with server_process(tiny_model, tmp_path / "b.log", "--redis-url", line.url) as b:
         decode_gaps(b.url, n=8)  # warm
-        base, _ = decode_gaps(b.url)
+        base, fast = decode_gaps(b.url, lambda: complete(b.url, fast_prefix + [6])["usage"])
+        line.delay_s = 0.2
         t = time.monotonic()
-        loaded, usage = decode_gaps(b.url, lambda: complete(b.url, prefix + [6])["usage"])
+        loaded, slow = decode_gaps(b.url, lambda: complete(b.url, slow_prefix + [6])["usage"])
         waited = time.monotonic() - t
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= PREFIX - 16  # from Redis, not recomputed
-    assert waited >= 0.2  # the reply was held back
-    # a 200 ms stall of the step loop would put four gaps of >= 200 ms above the p99
+    for usage in (fast, slow):  # both from Redis, not recomputed
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= PREFIX - 16
+    assert waited >= 0.2  # the replies were held back
     assert p99(loaded) <= 1.5 * p99(base) + 0.005, (p99(loaded), p99(base), loaded[-5:])
 
 
 def test_a_redis_that_never_answers_costs_a_budget_then_the_prefix_is_computed(tiny_model, redis_server, proxy, tmp_path):
     prefix = ids(2, PREFIX)
     with server_process(tiny_model, tmp_path / "a.log", "--redis-url", redis_server.url) as a:
-        want = complete(a.url, prefix + [7], max_tokens=6)["choices"][0]["text"]
         store_prefix(a.url, prefix, redis_server)
+        want = complete(a.url, prefix + [7], max_tokens=6)["choices"][0]["text"]
     mute = proxy(None)
     with server_process(tiny_model, tmp_path / "b.log", "--redis-url", mute.url) as b:
         t = time.monotonic()
