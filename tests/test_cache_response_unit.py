@@ -5,14 +5,15 @@ the key's sensitivity; the counters; and a dead Redis costing a fast miss, then 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+import zlib
 
+import msgspec
 import pytest
 from redis_fixture import free_port
 
+from llmserve.cache import records
 from llmserve.cache.response_cache import (
-    MAGIC,
     CachedChoice,
     CachedStep,
     InMemoryLRU,
@@ -22,8 +23,8 @@ from llmserve.cache.response_cache import (
     ResponseRecord,
     cache_key,
     decode_record,
-    encode_record,
 )
+from llmserve.engine.outputs import TokenLogprobs
 from llmserve.sampling import SamplingParams
 
 KEY = cache_key("fp", [[1, 2, 3]], SamplingParams(temperature=0).canonical())
@@ -37,9 +38,10 @@ class FakeClock:
         return self.t
 
 
-def record(text: str = "hi there") -> ResponseRecord:
-    steps = [CachedStep([5], "hi", [(5, -0.25, [(5, -0.25), (7, -1.5)])]), CachedStep([9], " there", [(9, float("-inf"), [])])]
-    return ResponseRecord([CachedChoice(steps, "stop", 9, 16, [None, (2, -3.0, [])])])
+def record(key: str = KEY) -> ResponseRecord:
+    steps = [CachedStep([5], "hi", [TokenLogprobs(5, -0.25, [(5, -0.25), (7, -1.5)])]),
+             CachedStep([9], " there", [TokenLogprobs(9, float("-inf"), [])])]
+    return ResponseRecord(key, [CachedChoice(steps, "stop", 9, 16, [None, TokenLogprobs(2, -3.0, [])])])
 
 
 def test_lru_never_exceeds_its_byte_bound():
@@ -75,22 +77,22 @@ def test_lru_entries_expire_after_their_ttl():
 
 
 def test_record_round_trips_exactly():
-    assert decode_record(encode_record(KEY, record()), KEY) == record()
+    assert decode_record(records.encode(record()), KEY) == record()
 
 
-def _reencode(raw: bytes, header_update: dict | None = None, payload: bytes | None = None) -> bytes:
-    """raw with its header fields changed and/or its payload replaced (checksum kept unless given)."""
-    n = int.from_bytes(raw[6:10], "little")
-    header = json.loads(raw[10 : 10 + n]) | (header_update or {})
-    h = json.dumps(header).encode()
-    return MAGIC + len(h).to_bytes(4, "little") + h + (raw[10 + n :] if payload is None else payload)
+def _sealed(body: object) -> bytes:
+    """A value with a valid CRC around `body` (msgpack of any object): what only the schema can refuse."""
+    raw = msgspec.msgpack.encode(body)
+    return msgspec.msgpack.encode([zlib.crc32(raw), raw])
 
 
-def _with_valid_checksum(payload: bytes) -> bytes:
-    import hashlib
+def _choice(token_ids: list, finish_reason: str = "stop", *extra: object) -> list:
+    return [[[token_ids, "", []]], finish_reason, None, 0, None, *extra]
 
-    raw = encode_record(KEY, record())
-    return _reencode(raw, {"checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}, payload)
+
+class OlderRecord(records.Record, tag="response/1"):  # the same fields, another version
+    key: str
+    choices: list[CachedChoice]
 
 
 @pytest.mark.parametrize(
@@ -100,27 +102,28 @@ def _with_valid_checksum(payload: bytes) -> bytes:
         lambda raw: raw[:-3] + bytes([raw[-3] ^ 0x20]) + raw[-2:],  # one payload byte flipped
         lambda raw: b"",
         lambda raw: b"\x80\x04\x95pickle",  # not ours
-        lambda raw: raw.replace(MAGIC, b"LLMSKV", 1),
-        lambda raw: _reencode(raw, {"version": 2}),
-        lambda raw: _reencode(raw, {"key": "llmserve:resp:other"}),
-        lambda raw: raw[:10] + b"\xff\xfe" + raw[12:],  # header not UTF-8/JSON
-        lambda raw: _with_valid_checksum(b'{"choices":[]}'),  # schema: no choice
-        lambda raw: _with_valid_checksum(b'{"choices":[{"steps":[{"token_ids":["5"],"text":"","logprobs":[]}],"finish_reason":"stop","stop_reason":null,"num_cached_tokens":0,"prompt_logprobs":null}]}'),
-        lambda raw: _with_valid_checksum(b'{"choices":[{"steps":[{"token_ids":[5],"text":"","logprobs":[]}],"finish_reason":"abort","stop_reason":null,"num_cached_tokens":0,"prompt_logprobs":null}]}'),
-        lambda raw: _with_valid_checksum(b'{"choices":[{"steps":[{"token_ids":[5],"text":"","logprobs":[]}],"finish_reason":"stop","stop_reason":null,"num_cached_tokens":0,"prompt_logprobs":null,"extra":1}]}'),
-        lambda raw: _with_valid_checksum(b'{"choices":[{"steps":[{"token_ids":[true],"text":"","logprobs":[]}],"finish_reason":"stop","stop_reason":null,"num_cached_tokens":0,"prompt_logprobs":null}]}'),
-        lambda raw: _with_valid_checksum(b"[" * 100_000),
+        lambda raw: records.encode(OlderRecord(KEY, record().choices)),
+        lambda raw: records.encode(record("llmserve:resp:other")),
+        lambda raw: _sealed(b"\xc1"),  # the body is not msgpack
+        lambda raw: records.encode(ResponseRecord(KEY, [])),  # no choice
+        lambda raw: _sealed(["response/2", KEY, [_choice(["5"])]]),
+        lambda raw: _sealed(["response/2", KEY, [_choice([5], "abort")]]),
+        lambda raw: _sealed(["response/2", KEY, [_choice([5], "stop", 1)]]),  # an extra field
+        lambda raw: _sealed(["response/2", KEY, [_choice([True])]]),
+        lambda raw: _sealed(["response/2", KEY]),  # a missing field
+        lambda raw: _sealed(["response/2", KEY, [[[], "stop", None, 0, None]]]),  # a choice without steps
+        lambda raw: _sealed(b"\x91" * 100_000),  # nested past any sane depth
     ],
 )
 def test_bad_values_are_refused(mangle):
-    raw = encode_record(KEY, record())
+    raw = records.encode(record())
     assert decode_record(mangle(raw), KEY) is None
 
 
-def test_a_valid_schema_with_a_good_checksum_is_accepted():
-    payload = b'{"choices":[{"steps":[{"token_ids":[5],"text":"x","logprobs":[]}],"finish_reason":"length","stop_reason":null,"num_cached_tokens":0,"prompt_logprobs":null}]}'
-    rec = decode_record(_with_valid_checksum(payload), KEY)
+def test_a_valid_record_written_by_hand_is_accepted():
+    rec = decode_record(_sealed(["response/2", KEY, [[[[[5], "x", [[5, -0.5, [[5, -0.5]]]]]], "length", None, 0, None]]]), KEY)
     assert rec is not None and rec.choices[0].steps[0].text == "x"
+    assert rec.choices[0].steps[0].logprobs == [TokenLogprobs(5, -0.5, [(5, -0.5)])]
 
 
 def test_key_depends_on_everything_that_changes_the_output():
@@ -145,7 +148,7 @@ def test_lookup_counts_hits_misses_and_rejected_values():
 
     async def main() -> None:
         assert await cache.lookup(KEY, 1) is None
-        cache.store(KEY, record())
+        cache.store(record())
         assert await cache.lookup(KEY, 1) == record()
         assert await cache.lookup(KEY, 2) is None  # a record for another number of prompts
         cache.local.set(KEY, b"garbage", 60)  # type: ignore[union-attr]
@@ -166,7 +169,7 @@ def test_a_dead_redis_is_a_fast_miss_then_skipped_by_the_breaker():
             t = time.perf_counter()
             assert await cache.lookup(KEY, 1) is None
             times.append(time.perf_counter() - t)
-        cache.store(KEY, record())  # skipped: the breaker is open
+        cache.store(record())  # skipped: the breaker is open
         await cache.close()
         assert store.breaker.is_open
         return times

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 from server_harness import live_server, server_process, sse_data, wait_for
 
+from llmserve.cache import records
 from llmserve.cache.key_terms import key_terms, same_question
 from llmserve.cache.semantic_cache import (
     STREAM,
     SemanticEntry,
+    SemanticRecord,
     VectorIndex,
     decode_entry,
     encode_entry,
@@ -110,9 +112,18 @@ def test_entry_records_round_trip_and_reject_corruption():
     assert back is not None and (back.scope, back.text, back.response_key, back.expires) == ("scope", QUESTION, "llmserve:resp:ab", 123.5)
     assert np.array_equal(back.vector, e.vector)
     flipped = raw[:-1] + bytes([raw[-1] ^ 1])
-    other_version = raw.replace(b'"version":1', b'"version":9')
-    for bad in (flipped, other_version, raw[:-4], b"LLMSSE" + raw[6:30], b"pickle", b""):
+    other_version = records.encode(OlderSemanticRecord(e.scope, e.text, e.response_key, e.expires, memoryview(e.vector).cast("B")))
+    odd_vector = records.encode(SemanticRecord(e.scope, e.text, e.response_key, e.expires, memoryview(b"\0" * 7)))
+    for bad in (flipped, other_version, odd_vector, raw[:-4], raw[:30], b"pickle", b""):
         assert decode_entry(bad) is None
+
+
+class OlderSemanticRecord(records.Record, tag="semantic/1"):  # the same fields, another version
+    scope: str
+    text: str
+    response_key: str
+    expires: float
+    vector: memoryview
 
 
 @pytest.fixture(scope="module")

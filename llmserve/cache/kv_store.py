@@ -1,13 +1,12 @@
 """Redis tier for prefix KV blocks, keyed by the chained block hash.
 
-Value layout (never pickle; Redis contents are untrusted):
-  b"LLMSKV" | u32 little-endian header length | JSON header | raw payload
-  header: {"version", "dtype", "shape": [layers, 2, block_size, kv_heads, head_dim], "checksum"}
-  payload: the block's K and V for every layer, C order, `checksum` = CRC-32 of it (integrity
-  against corruption and truncation; a block is ~1 MB, and CRC-32 runs 4x faster than blake2b).
-A value whose magic, version, dtype, shape, length or checksum does not match is ignored and
-counted as rejected. Keys: llmserve:kv:<namespace>:<hash hex>; namespace = model fingerprint,
-dtype and block size. Writes go behind, from a thread, pipelined in batches of WRITE_BATCH.
+Value: a KVBlockRecord (llmserve.cache.records: tagged msgpack, CRC-32-checked, never pickle;
+CRC-32 guards a ~1 MB block against corruption and truncation, 4x faster than blake2b): its
+dtype, shape [layers, 2, block_size, kv_heads, head_dim] and the block's K and V for every layer,
+C order. A value that does not decode, or whose dtype, shape or length does not match, is
+ignored and counted as rejected. Keys: llmserve:kv:<namespace>:<hash hex>; namespace = model
+fingerprint, dtype and block size. Writes go behind, from a thread, pipelined in batches of
+WRITE_BATCH.
 
 Reads: a prefix is fetched as a stream of MGETs of about FETCH_BYTES each, kept WINDOW deep in
 flight on one connection (the next request is sent before the current reply is read). Redis
@@ -23,22 +22,20 @@ budget counts as a miss and trips the circuit breaker.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 import warnings
-import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 import torch
 
+from llmserve.cache import records
 from llmserve.cache.breaker import CircuitBreaker
-from llmserve.cache.framing import frame, unframe
 
 logger = logging.getLogger("llmserve.cache")
-MAGIC = b"LLMSKV"
-VERSION = 2
 WRITE_BATCH = 8  # blocks per pipelined write-behind (~6 MB of float32 SmolLM2 blocks)
 FETCH_BYTES = 2 << 20  # payload per MGET in a fetch (at least one block)
 WINDOW = 2  # MGETs in flight during a fetch
@@ -60,34 +57,33 @@ class KVStoreStats:
         return asdict(self)
 
 
+class KVBlockRecord(records.Record, tag="kv/3"):
+    dtype: str  # a torch dtype's name: "float32", "bfloat16", ...
+    shape: list[int]  # [layers, 2, block_size, kv_heads, head_dim]
+    payload: memoryview  # the tensor's bytes, C order
+
+
 def encode_block(kv: torch.Tensor) -> bytes:
     """kv: [layers, 2, block_size, kv_heads, head_dim] -> bytes."""
-    payload = kv.cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    header = {"version": VERSION, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape),
-              "checksum": zlib.crc32(payload)}
-    return frame(MAGIC, header, payload)
+    payload = memoryview(kv.cpu().contiguous().view(torch.uint8).numpy())
+    return records.encode(KVBlockRecord(_dtype_name(kv.dtype), list(kv.shape), payload))
 
 
 def decode_block(raw: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """The block tensor, or None if anything about the value is off."""
-    try:
-        framed = unframe(raw, MAGIC)
-        if framed is None:
-            return None
-        header, payload = framed  # payload: a view, no copy
-        ok = (
-            header.get("version") == VERSION
-            and header.get("dtype") == str(dtype).removeprefix("torch.")
-            and tuple(header.get("shape", ())) == tuple(shape)
-            and zlib.crc32(payload) == header.get("checksum")
-        )
-        if not ok:
-            return None
-        with warnings.catch_warnings():  # a read-only view of `raw`: callers only copy from it
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).reshape(shape)
-    except (ValueError, RuntimeError, UnicodeDecodeError, AttributeError, TypeError):
+    """The block tensor (a read-only view of raw: callers only copy from it), or None if anything
+    about the value is off."""
+    r = records.decode(raw, KVBlockRecord)
+    if r is None or r.dtype != _dtype_name(dtype) or tuple(r.shape) != tuple(shape):
         return None
+    if r.payload.nbytes != math.prod(shape) * dtype.itemsize:
+        return None
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(r.payload, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class RedisKVStore:

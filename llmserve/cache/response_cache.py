@@ -3,14 +3,11 @@ seed, n == 1) asked again is answered without the engine.
 
 Key: llmserve:resp:<blake2b-128 hex> of the model fingerprint, the prompts' token ids (after
 templating), the canonical sampling parameters and whatever else shapes the engine's output.
-Value (never pickle; Redis contents are untrusted):
-  b"LLMSRC" | u32 little-endian header length | JSON header | JSON payload
-  header: {"version", "key", "checksum"}; checksum = blake2b-128 hex of the payload
-  payload: a ResponseRecord, the engine's raw outputs step by step (token ids, text delta,
-  logprobs) per choice, so a hit is formatted (and streamed) by the same code as a miss; options
-  that only change formatting (echo text, logprob token names) need not be in the key.
-A value whose magic, version, key, checksum or schema (strict types, no extra fields) is off is
-ignored and counted as rejected, never loaded.
+Value: a ResponseRecord (llmserve.cache.records: tagged msgpack, CRC-checked; never pickle),
+the engine's raw outputs step by step (token ids, text delta, logprobs) per choice, with its own
+key, so a hit is formatted (and streamed) by the same code as a miss; options that only change
+formatting (echo text, logprob token names) need not be in the key. A value that does not decode
+as this version's record for this key is ignored and counted as rejected, never loaded.
 Backends: InMemoryLRU (the default: bounded in bytes, with a TTL) or RedisResponseStore
 (redis.asyncio and its connection pool, shared by replicas). A Redis call times out fast (50 ms
 by default) and a circuit breaker skips a dead Redis; a failed or skipped call is a miss.
@@ -28,19 +25,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+import msgspec
 
+from llmserve.cache import records
 from llmserve.cache.breaker import CircuitBreaker
-from llmserve.cache.framing import frame, unframe
+from llmserve.engine.outputs import TokenLogprobs
 from llmserve.errors import StoreUnavailableError
 
 logger = logging.getLogger("llmserve.cache")
-MAGIC = b"LLMSRC"
-VERSION = 1
+VERSION = 2  # of the key material and of ResponseRecord's tag
 KEY_PREFIX = "llmserve:resp:"
-_STRICT = ConfigDict(strict=True, extra="forbid", ser_json_inf_nan="constants")
-
-LP = tuple[int, float, list[tuple[int, float]]]  # (token id, logprob, [(token id, logprob)] best first)
 
 
 @dataclass(slots=True)
@@ -55,33 +49,25 @@ class ResponseCacheStats:
         return asdict(self)
 
 
-@dataclass(slots=True)
-class CachedStep:
+class CachedStep(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One engine output (a RequestOutput's delta)."""
 
-    __pydantic_config__ = _STRICT
     token_ids: list[int]
     text: str
-    logprobs: list[LP]
+    logprobs: list[TokenLogprobs]
 
 
-@dataclass(slots=True)
-class CachedChoice:
-    __pydantic_config__ = _STRICT
+class CachedChoice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     steps: list[CachedStep]  # the last one finished the choice
     finish_reason: Literal["stop", "length"]
     stop_reason: int | str | None
     num_cached_tokens: int
-    prompt_logprobs: list[LP | None] | None  # when the request asked for them (echo)
+    prompt_logprobs: list[TokenLogprobs | None] | None  # when the request asked for them (echo)
 
 
-@dataclass(slots=True)
-class ResponseRecord:
-    __pydantic_config__ = _STRICT
+class ResponseRecord(records.Record, tag=f"response/{VERSION}"):
+    key: str  # the cache key it was stored under
     choices: list[CachedChoice]  # one per prompt, in order
-
-
-_RECORD = TypeAdapter(ResponseRecord)
 
 
 def cache_key(fingerprint: str, prompts: list[list[int]], params: dict[str, Any], **options: Any) -> str:
@@ -91,29 +77,10 @@ def cache_key(fingerprint: str, prompts: list[list[int]], params: dict[str, Any]
     return KEY_PREFIX + hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
-def encode_record(key: str, record: ResponseRecord) -> bytes:
-    payload = _RECORD.dump_json(record)
-    header = {"version": VERSION, "key": key, "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
-    return frame(MAGIC, header, payload)
-
-
 def decode_record(raw: bytes, key: str) -> ResponseRecord | None:
     """The record stored under `key`, or None if anything about the value is off."""
-    try:
-        framed = unframe(raw, MAGIC)
-        if framed is None:
-            return None
-        header, view = framed
-        payload = bytes(view)
-        ok = (
-            header.get("version") == VERSION
-            and header.get("key") == key
-            and hashlib.blake2b(payload, digest_size=16).hexdigest() == header.get("checksum")
-        )
-        record = _RECORD.validate_json(payload) if ok else None
-    except (ValueError, ValidationError, RecursionError):  # JSON and UTF-8 errors are ValueErrors
-        return None
-    if record is None or not record.choices or any(not c.steps for c in record.choices):
+    record = records.decode(raw, ResponseRecord)
+    if record is None or record.key != key or not record.choices or any(not c.steps for c in record.choices):
         return None
     return record
 
@@ -252,11 +219,12 @@ class ResponseCache:
             return None
         return record
 
-    def store(self, key: str, record: ResponseRecord) -> None:
+    def store(self, record: ResponseRecord) -> None:
         """Local: at once. Redis: written behind by a task; the response does not wait for it."""
+        key = record.key
         try:
-            value = encode_record(key, record)
-        except (ValueError, TypeError) as e:  # a bug, not a fault of the request: serve it anyway
+            value = records.encode(record)
+        except (msgspec.EncodeError, ValueError, TypeError) as e:  # a bug, not a fault of the request: serve it anyway
             self.stats.errors += 1
             logger.warning("response cache: could not encode a record: %s", e)
             return

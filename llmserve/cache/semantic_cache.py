@@ -16,14 +16,14 @@ brute-force top-k per lookup; entries expire after the response cache's TTL. Wit
 entries are not added locally but published to one Redis stream (STREAM, trimmed to about
 `capacity`); every replica, this one included, follows the stream from its start, so a replica
 that starts late loads what the others stored. Debian's Redis has no vector search: the search
-stays local. Records are versioned and checksummed (never pickle): see encode_entry.
+stays local. Stream records are SemanticRecords (llmserve.cache.records: tagged msgpack,
+CRC-checked; never pickle).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,13 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from llmserve.cache import records
 from llmserve.cache.breaker import CircuitBreaker
-from llmserve.cache.framing import frame, unframe
 from llmserve.cache.key_terms import KeyTerms, key_terms, same_question
 
 logger = logging.getLogger("llmserve.cache")
-MAGIC = b"LLMSSE"
-VERSION = 1
 STREAM = "llmserve:sem:entries"
 TOP_K = 8  # candidates above the threshold checked for the same key terms, best first
 FOLLOW_BLOCK_MS = 1000
@@ -79,39 +77,26 @@ class SemanticMatch:
     similarity: float
 
 
+class SemanticRecord(records.Record, tag="semantic/2"):
+    scope: str
+    text: str
+    response_key: str
+    expires: float
+    vector: memoryview  # little-endian float32
+
+
 def encode_entry(e: SemanticEntry) -> bytes:
-    """MAGIC | u32 LE header length | JSON header | vector as little-endian float32 bytes;
-    header: {"version", "scope", "text", "response_key", "expires", "dim", "checksum"}, the
-    checksum a blake2b-128 of the header's other fields (canonical JSON) and the vector bytes."""
-    vec = np.ascontiguousarray(e.vector, dtype="<f4").tobytes()
-    meta = {"version": VERSION, "scope": e.scope, "text": e.text, "response_key": e.response_key,
-            "expires": e.expires, "dim": int(e.vector.shape[0])}
-    return frame(MAGIC, meta | {"checksum": _checksum(meta, vec)}, vec)
-
-
-def _checksum(meta: dict, vec: bytes) -> str:
-    blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode() + vec
-    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+    vec = np.ascontiguousarray(e.vector, dtype="<f4")
+    return records.encode(SemanticRecord(e.scope, e.text, e.response_key, e.expires, memoryview(vec).cast("B")))
 
 
 def decode_entry(raw: bytes) -> SemanticEntry | None:
     """The entry, or None if anything about the record is off."""
-    try:
-        framed = unframe(raw, MAGIC)
-        if framed is None:
-            return None
-        header, view = framed
-        vec = bytes(view)
-        meta = {k: header[k] for k in ("version", "scope", "text", "response_key", "expires", "dim")}
-        ok = (meta["version"] == VERSION and isinstance(meta["dim"], int) and len(vec) == 4 * meta["dim"]
-              and all(isinstance(meta[k], str) for k in ("scope", "text", "response_key"))
-              and isinstance(meta["expires"], int | float) and header.get("checksum") == _checksum(meta, vec))
-    except (ValueError, KeyError, TypeError, RecursionError):
+    r = records.decode(raw, SemanticRecord)
+    if r is None or not r.vector.nbytes or r.vector.nbytes % 4:
         return None
-    if not ok:
-        return None
-    vector = np.frombuffer(vec, dtype="<f4").astype(np.float32)
-    return SemanticEntry(meta["scope"], meta["text"], meta["response_key"], float(meta["expires"]), vector)
+    vector = np.frombuffer(r.vector, dtype="<f4").astype(np.float32)
+    return SemanticEntry(r.scope, r.text, r.response_key, r.expires, vector)
 
 
 def _scope_id(scope: str) -> int:
@@ -216,8 +201,8 @@ class RedisSemanticFeed:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.25
-            for _, records in batches or []:
-                for record_id, fields in records:
+            for _, stream_records in batches or []:
+                for record_id, fields in stream_records:
                     self.last_id = record_id
                     self._load(index, fields.get(b"e", b""))
 

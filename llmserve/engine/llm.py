@@ -45,7 +45,7 @@ class LLM:
             out = GenerationOutput(f"gen-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids, [])
             for s in fan_out(out.request_id, 1, p):
                 self.engine.add_request(s.request_id, ids, s.params, priority=prio, lora_request=lora)
-                out.outputs.append(CompletionOutput(s.index, "", [], None, logprobs=[] if p.logprobs is not None else None))
+                out.outputs.append(CompletionOutput(s.index, logprobs=[] if p.logprobs is not None else None))
                 children[s.request_id] = (out, s.index)
             results.append(out)
         while self.engine.has_unfinished_requests():
@@ -53,15 +53,10 @@ class LLM:
                 if on_output is not None:
                     on_output(o)
                 out, i = children[o.request_id]
-                c = out.outputs[i]
-                c.text += o.new_text
-                c.token_ids += o.new_token_ids
-                if c.logprobs is not None:
-                    c.logprobs += o.new_logprobs
+                out.outputs[i].add(o)
                 if o.prompt_logprobs is not None:
                     out.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
-                    c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
                     out.num_cached_tokens = o.num_cached_tokens
         return results
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 
-@dataclass(slots=True)
-class TokenLogprobs:
+
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One sampled token's logprob and the best alternatives (also stored by the response cache)."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # [(token_id, logprob)] best first
@@ -45,12 +48,28 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One output sequence, accumulated from its RequestOutput deltas (add)."""
+
     index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # None: not asked for
+
+    def add(self, out: RequestOutput) -> None:
+        """Append one delta (the one accumulator: LLM.generate and the server's choices); a
+        finished output also sets the reasons."""
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        if self.logprobs is not None:
+            self.logprobs += out.new_logprobs
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from functools import partial
 from llmserve.cache.response_cache import ResponseRecord, cache_key
 from llmserve.cache.semantic_cache import SemanticLookup, SemanticQuery
 from llmserve.engine.client import EngineCoreRequest
-from llmserve.engine.outputs import RequestOutput, Timeline, TokenLogprobs
+from llmserve.engine.outputs import CompletionOutput, RequestOutput, Timeline, TokenLogprobs
 from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams, fan_out
 from llmserve.server.context import ServerContext
@@ -40,25 +40,17 @@ CACHE_HEADER = "x-llmserve-cache"  # on every generation response: "hit", "seman
 SIMILARITY_HEADER = "x-llmserve-similarity"  # on a semantic hit: the cosine of the two questions
 
 
-@dataclass(slots=True)
-class Choice:
-    """One output sequence as its deltas arrive."""
+@dataclass(slots=True, kw_only=True)
+class Choice(CompletionOutput):
+    """One output sequence as its deltas arrive (index: prompt_index * n + sample index, as OpenAI
+    numbers choices)."""
 
-    index: int  # prompt_index * n + sample index, as OpenAI numbers choices
     prompt_index: int
     request: EngineCoreRequest  # as sent to the engine
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = field(default_factory=list)  # always kept (formatting picks)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked (echo)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     timeline: Timeline | None = None  # the engine's, once finished
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -95,7 +87,8 @@ class Generation:
         arrival = time.time() if arrival is None else arrival
         make = ctx.client.make_request
         self.choices = [
-            Choice(s.index, s.prompt_index, make(s.request_id, prompts[s.prompt_index], s.params, arrival, priority, lora))
+            Choice(s.index, prompt_index=s.prompt_index,
+                   request=make(s.request_id, prompts[s.prompt_index], s.params, arrival, priority, lora))
             for s in fan_out(request_id, len(prompts), params)
         ]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
@@ -200,7 +193,7 @@ class Generation:
         if self._recorded is None or any(c.finish_reason == "abort" for c in self.choices):
             return
         choices = [record_choice(outs, c.prompt_logprobs) for outs, c in zip(self._recorded, self.choices, strict=True)]
-        self.ctx.response_cache.store(self.cache_key, ResponseRecord(choices))  # type: ignore[union-attr, arg-type]
+        self.ctx.response_cache.store(ResponseRecord(self.cache_key, choices))  # type: ignore[union-attr, arg-type]
         self._recorded = None
         if self._semantic_lookup is not None:
             self.ctx.semantic_cache.store(self._semantic_lookup, self.cache_key)  # type: ignore[union-attr, arg-type]
@@ -241,16 +234,14 @@ class Generation:
             c.prompt_logprobs = out.prompt_logprobs
         if self.score_only:  # the one sampled token is not part of the answer
             reason = out.finish_reason and ("abort" if out.finish_reason == "abort" else "length")
-            delta, stop_reason = Delta([], "", [], reason, first, out.token_time), None
+            delta = Delta([], "", [], reason, first, out.token_time)
+            c.finish_reason = reason
         else:
             delta = Delta(out.new_token_ids, out.new_text, out.new_logprobs, out.finish_reason, first, out.token_time)
-            stop_reason = out.stop_reason
-            c.text += out.new_text
-            c.token_ids += out.new_token_ids
-            c.logprobs += out.new_logprobs
+            c.add(out)
         c.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            c.finish_reason, c.stop_reason, c.timeline = delta.finish_reason, stop_reason, out.timeline
+            c.timeline = out.timeline
         return delta
 
     async def run(self) -> list[Choice]:

@@ -5,7 +5,8 @@ A StoredResponse holds the response object as GET returns it, and the conversati
 including it: every earlier turn's input items and output items, then this turn's, as Responses
 API items. The next turn's prompt is rendered from that list plus its own input, exactly as if
 the client had sent the whole list itself (previous instructions are not carried over, as
-OpenAI). Values are msgspec JSON, tagged with their version; one that does not decode is absent.
+OpenAI). Values are llmserve.cache.records (tagged msgpack, CRC-checked); one that does not decode
+is absent.
 
 Backends: in process, an LRU bounded by count (--response-store-size) and bytes
 (--response-store-bytes), or Redis under --redis-url, so that replicas share conversations;
@@ -19,21 +20,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
-
+from llmserve.cache import records
 from llmserve.cache.response_cache import InMemoryLRU, RedisResponseStore, ResponseCacheStats
 
 logger = logging.getLogger("llmserve.server")
 KEY_PREFIX = "llmserve:responses:"
 
 
-class StoredResponse(msgspec.Struct, tag="response.v1", forbid_unknown_fields=True):
+class StoredResponse(records.Record, tag="stored-response/2"):
     response: dict[str, Any]  # the response object, as GET /v1/responses/{id} answers
     conversation: list[dict[str, Any]]  # Responses API items, oldest first, this turn's output last
 
-
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(StoredResponse)
 
 
 class ResponseStore:
@@ -47,15 +44,14 @@ class ResponseStore:
         raw = self.local.get(key) if self.local is not None else await self.redis.get(key, strict=True)  # type: ignore[union-attr]
         if raw is None:
             return None
-        try:
-            return _decoder.decode(raw)
-        except msgspec.DecodeError as e:
-            logger.warning("stored response %s does not decode; treated as absent: %s", response_id, e)
-            return None
+        record = records.decode(raw, StoredResponse)
+        if record is None:
+            logger.warning("stored response %s does not decode; treated as absent", response_id)
+        return record
 
     async def put(self, response_id: str, record: StoredResponse) -> bool:
         """False when it could not be kept (larger than the bound, or Redis failed)."""
-        key, value = KEY_PREFIX + response_id, _encoder.encode(record)
+        key, value = KEY_PREFIX + response_id, records.encode(record)
         if self.local is not None:
             return self.local.set(key, value, self.ttl_s)
         return await self.redis.set(key, value, self.ttl_s)  # type: ignore[union-attr]
