@@ -14,13 +14,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from server_harness import live_server, server_process, sse_data, wait_for
 
-from llmserve.engine.client import EngineCoreRequest
-from llmserve.errors import InvalidRequestError
+from llmserve.engine.client import EngineCoreRequest, EngineDoor, InFlight, RequestOutput
+from llmserve.errors import EngineOverloadedError, InvalidRequestError
 from llmserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,4 +142,53 @@ def test_an_unreadable_request_is_refused_and_the_core_carries_on(tiny_model):
         assert isinstance(err, InvalidRequestError) and "could not read the request" in err.message
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert s.ctx.client.alive and s.ctx.client.num_waiting() == 0 and not s.ctx.client.sinks
+        assert s.ctx.client.alive and s.ctx.client.num_in_flight() == 0 and s.ctx.stats.num_waiting == 0
+
+
+DOOR_MEMBERS = {
+    name for name in vars(EngineDoor) if not name.startswith("_")
+} | set(EngineDoor.__annotations__)
+
+
+def _door_uses(path: Path) -> set[str]:
+    """Attributes read off `client` / `ctx.client` / `self.client` in one file."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "client") or (isinstance(owner, ast.Attribute) and owner.attr == "client"):
+                used.add(node.attr)
+    return used
+
+
+def test_the_server_uses_the_door_and_nothing_else():
+    """The door is add/abort requests, outputs to sinks, stats when asked, info, step events and
+    the life cycle; no server module reaches past it (no sinks, no per-step stats attribute)."""
+    assert {"sinks", "stats", "step_listeners", "num_waiting"}.isdisjoint(DOOR_MEMBERS)
+    files = [*(ROOT / "llmserve" / "server").glob("*.py"), ROOT / "llmserve" / "ray_serve" / "app.py"]
+    for path in files:
+        assert _door_uses(path) <= DOOR_MEMBERS, (path.name, _door_uses(path) - DOOR_MEMBERS)
+    assert _door_uses(ROOT / "llmserve" / "server" / "app.py") >= {"add_step_listener", "info"}
+
+
+def test_the_queue_depth_is_counted_once_in_the_front_end():
+    """A request waits from add_request until its first output (or its abort); the 429 limits
+    count those requests and their prompt tokens."""
+    requests = InFlight(max_waiting=2, max_waiting_tokens=10)
+    got: list = []
+    def make(rid: str, n: int) -> SimpleNamespace:  # what InFlight reads of an EngineCoreRequest
+        return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(1, n + 1)))
+
+    requests.admit(make("a", 6), got.append)
+    with pytest.raises(EngineOverloadedError):
+        requests.admit(make("b", 5), got.append)  # 11 prompt tokens would wait
+    requests.admit(make("b", 4), got.append)
+    with pytest.raises(EngineOverloadedError):
+        requests.admit(make("c", 1), got.append)  # 3 requests would wait
+    requests.deliver(RequestOutput("a", [7], "x", [], False, None, None, 6, 1, 0, 0.0))  # a runs
+    assert (requests.num_waiting, requests.waiting_tokens, len(requests)) == (1, 4, 2)
+    requests.admit(make("c", 1), got.append)
+    assert requests.forget("b") and not requests.forget("b")
+    requests.deliver(RequestOutput("a", [8], "y", [], True, "length", None, 6, 2, 0, 0.0))
+    assert (requests.num_waiting, requests.waiting_tokens, len(requests)) == (1, 1, 1)
+    assert [o.new_text for o in got] == ["x", "y"]

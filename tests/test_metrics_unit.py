@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmserve.cache.response_cache import ResponseCacheStats
 from llmserve.config import EngineConfig, from_sources
 from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.outputs import StepEvent
 from llmserve.sampling import SamplingParams
 from llmserve.server.metrics import ServerMetrics
 
@@ -50,7 +51,7 @@ def run(engine: LLMEngine, metrics: ServerMetrics, prompts: list[list[int]], par
         steps = engine.num_steps
         outputs = engine.step()
         durations = [engine.step_records[-1].duration_s] if engine.num_steps > steps else []
-        metrics.on_step(outputs, engine.get_stats(), durations)
+        metrics.on_step(StepEvent(outputs, engine.get_stats(), durations))
     assert not engine.has_unfinished_requests()
     return reqs
 

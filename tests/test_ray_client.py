@@ -92,10 +92,10 @@ def client_over(handle: Handle, **limits) -> RayEngineClient:
 def test_outputs_reach_the_sink_until_finished():
     client = client_over(Handle(tokens(3)))
     steps = []
-    client.step_listeners.append(steps.append)
+    client.add_step_listener(steps.append)
     got = asyncio.run(run(client))
     assert [o.num_output_tokens for o in got] == [1, 2, 3] and got[-1].finished
-    assert client.sinks == {} and client.num_waiting() == 0 and client._requests == {}
+    assert client.num_in_flight() == 0 and client.requests.num_waiting == 0 and client._requests == {}
     assert sum(len(s.outputs) for s in steps) == 3  # metrics and the dashboard see every output
 
 
@@ -123,10 +123,10 @@ def test_a_refused_request_is_not_retried():
 def test_abort_before_the_stream_starts_leaves_nothing_behind():
     async def main(client: RayEngineClient) -> None:
         client.add_request(client.make_request("a", [1], SamplingParams(max_tokens=5), 0.0), lambda _: None)
-        assert client.num_waiting() == 1
+        assert client.requests.num_waiting == 1
         client.abort_request("a")  # in the same step: the task never runs
         await asyncio.sleep(0.01)
-        assert client._requests == {} and client.sinks == {} and client.num_waiting() == 0
+        assert client._requests == {} and client.num_in_flight() == 0 and client.requests.num_waiting == 0
 
     asyncio.run(main(client_over(Handle(tokens(5)))))
 
@@ -157,6 +157,6 @@ def test_too_many_waiting_is_a_429():
             client.add_request(client.make_request("c", [1], SamplingParams(), 0.0), lambda _: None)
         gate.set()
         await asyncio.sleep(0.01)
-        assert client.num_waiting() == 0
+        assert client.requests.num_waiting == 0
 
     asyncio.run(main())

@@ -232,7 +232,7 @@ def test_replica_stats_add_up():
     a = EngineStats(2, 1, 100, 60, 40, 0.4, 500, 300, 0, 10, kv_store={"hits": 3}, spec_decode={"accepted_length_counts": [1, 2]})
     b = EngineStats(1, 0, 100, 90, 10, 0.1, 200, 50, 1, 20, kv_store={"hits": 4, "misses": 1},
                     spec_decode={"accepted_length_counts": [5, 0, 7]})
-    empty = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0)
+    empty = EngineStats.idle()
     total = sum_stats([a, b], [], empty)
     assert (total.num_running, total.num_waiting, total.num_blocks_total, total.num_blocks_used) == (3, 1, 200, 50)
     assert total.kv_cache_usage == 0.25 and (total.prefix_cache_queries, total.prefix_cache_hits) == (700, 350)

@@ -46,13 +46,13 @@ def test_model_and_server_info(keyed):
 
 def test_load_reports_the_engine_without_a_key(keyed):
     assert httpx.get(keyed.url + "/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
-    idle = keyed.ctx.client.stats
+    idle = keyed.ctx.stats
     try:  # the engine's figures as of a busy step (the tiny model finishes any request in milliseconds)
-        keyed.ctx.client.stats = dataclasses.replace(idle, num_running=5, num_waiting=2, num_blocks_used=7)
+        keyed.ctx.stats = dataclasses.replace(idle, num_running=5, num_waiting=2, num_blocks_used=7)
         [engine] = httpx.get(keyed.url + "/get_load").json()
         as_object = httpx.get(keyed.url + "/get_load", params={"format": "object"}).json()
     finally:
-        keyed.ctx.client.stats = idle
+        keyed.ctx.stats = idle
     block = keyed.ctx.client.info.block_size
     assert engine == {"dp_rank": 0, "num_reqs": 7, "num_waiting_reqs": 2, "num_tokens": 7 * block}
     assert as_object == {"load": 7, "num_waiting_reqs": 2, "num_tokens": 7 * block}

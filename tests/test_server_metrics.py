@@ -82,13 +82,13 @@ def test_memory_figures_come_when_asked_not_with_every_step(server):
     """The per-step stats carry no memory figures (mallinfo2 and /proc reads are for stats asked
     for); GET /stats has the engine process's."""
     seen: list[dict] = []
-    server.ctx.client.step_listeners.append(lambda step: seen.append(step.stats.memory))
+    remove = server.ctx.client.add_step_listener(lambda step: seen.append(step.stats.memory))
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r.status_code == 200
         wait_for(lambda: len(seen) >= 3, 30, "no steps seen")
     finally:
-        server.ctx.client.step_listeners.pop()
+        remove()
     assert seen and all(m == {} for m in seen)
     engine = httpx.get(server.url + "/stats", timeout=30).json()["engine"]
     assert engine["memory"]["rss_bytes"] > 0

@@ -112,25 +112,24 @@ def test_client_disconnects_abort_and_free_blocks(server):
         wait_for(lambda: server.stats().num_running == 0 and server.stats().num_waiting == 0, 2.0, f"requests still running: {server.stats()}")
         wait_for(lambda: server.stats().num_blocks_used == 0, 2.0 - (time.monotonic() - cut_at), f"KV blocks still used: {server.stats()}")
     assert reasons == ["abort"] * n  # cut short, not run to max_tokens
-    assert not server.ctx.client.sinks  # the server holds nothing for them either
+    assert server.ctx.client.num_in_flight() == 0  # the server holds nothing for them either
     assert httpx.get(server.url + "/health").status_code == 200
 
 
 @contextlib.contextmanager
 def finish_reasons(server):
-    """The finish reasons the engine reports while inside the block (its StepOutputs, as they reach
+    """The finish reasons the engine reports while inside the block (its StepEvents, as they reach
     the server)."""
     reasons: list[str] = []
 
     def listener(step) -> None:
         reasons.extend(o.finish_reason for o in step.outputs if o.finished)
 
-    listeners = server.ctx.client.step_listeners
-    listeners.append(listener)
+    remove = server.ctx.client.add_step_listener(listener)
     try:
         yield reasons
     finally:
-        listeners.remove(listener)
+        remove()
 
 
 def test_non_streaming_client_gone_aborts(server):

@@ -7,8 +7,9 @@ crossed the pipe.
   sink(RequestOutput)    <--StepOutputs (one per step)--    (every request's new tokens)
 
 The door: `info` (fixed limits), `make_request` (validation, typed 4xx), `add_request`,
-`abort_request` / `abort_all`, `stats` (as of the last step) / `await get_stats()` (fresh), and
-the outputs, delivered to each request's sink on the loop thread.
+`abort_request` / `abort_all`, `await get_stats()` (asked for), the outputs, delivered to each
+request's sink on the loop thread, and StepEvents (engine/outputs.py) for whoever watches steps
+(metrics, the dashboard). The queue depth is counted once, here in the front end (InFlight).
 
 Invariants: every accepted request's sink gets outputs until one is `finished`, or one exception
 (EngineDeadError when the core process dies); `abort_request` (the caller has gone) forgets the
@@ -19,6 +20,7 @@ sink at once; `abort_all` (drain) lets each stream see its final "abort" output.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -47,15 +49,16 @@ from llmserve.engine.messages import (
     read_available,
     write_all,
 )
-from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.engine.outputs import EngineStats, RequestOutput, StepEvent
 from llmserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams
 
-__all__ = ["EngineClient", "EngineCoreRequest", "EngineDoor", "EngineInfo", "EngineStats", "RequestOutput", "StepOutputs"]
+__all__ = ["EngineClient", "EngineCoreRequest", "EngineDoor", "EngineInfo", "EngineStats", "RequestOutput", "StepEvent"]
 
 logger = logging.getLogger("llmserve.engine")
 Sink = Callable[[RequestOutput | BaseException], None]
+StepListener = Callable[[StepEvent], None]
 STATS_TIMEOUT_S = 10.0
 
 
@@ -66,24 +69,87 @@ class EngineDoor(Protocol):
 
     config: EngineConfig
     info: EngineInfo
-    stats: EngineStats  # as of the last news from the engine(s); summed over replicas
     error: EngineDeadError | None  # set once the engine as a whole is gone (never for one replica)
-    sinks: dict[str, Sink]  # requests in flight
-    step_listeners: list[Callable[[StepOutputs], None]]
 
     @property
     def alive(self) -> bool: ...
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
                      priority: int = 0, lora_request: LoRARequest | None = None) -> EngineCoreRequest: ...
-    def num_waiting(self) -> int: ...
     def add_request(self, req: EngineCoreRequest, sink: Sink) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
-    def abort_all(self) -> None: ...
-    async def get_stats(self) -> EngineStats: ...
+    def abort_all(self) -> int: ...  # how many were in flight
+    def num_in_flight(self) -> int: ...  # accepted, not yet finished (a drain waits for 0)
+    async def get_stats(self) -> EngineStats: ...  # fresh, summed over replicas
     def replica_stats(self) -> dict[str, EngineStats]: ...  # per engine replica; {} for one engine
+    def add_step_listener(self, listener: StepListener) -> Callable[[], None]: ...  # returns: remove it
     async def start(self) -> None: ...
     async def shutdown(self, timeout: float = 10.0) -> None: ...
     def close(self) -> None: ...
+
+
+class InFlight:
+    """The front end's requests in flight, counted once (both doors use it): each one's sink, and
+    those still without a first output (queued, loading or in prefill) with their prompt tokens,
+    which the 429 limits bound."""
+
+    def __init__(self, max_waiting: int, max_waiting_tokens: int | None):
+        self.max_waiting, self.max_waiting_tokens = max_waiting, max_waiting_tokens
+        self.sinks: dict[str, Sink] = {}  # request_id -> where its outputs go
+        self.waiting: dict[str, int] = {}  # request_id -> prompt tokens, until its first output
+        self.waiting_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.sinks)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def admit(self, req: EngineCoreRequest, sink: Sink) -> None:
+        """Register `req`, or raise EngineOverloadedError (429) when too many requests or prompt
+        tokens would wait."""
+        n = len(req.prompt_token_ids)
+        if len(self.waiting) >= self.max_waiting or (
+            self.max_waiting_tokens is not None and self.waiting_tokens + n > self.max_waiting_tokens
+        ):
+            raise EngineOverloadedError(f"the server is overloaded ({len(self.waiting)} requests waiting); retry later")
+        self.sinks[req.request_id] = sink
+        self.waiting[req.request_id] = n
+        self.waiting_tokens += n
+
+    def deliver(self, output: RequestOutput) -> None:
+        """Hand `output` to its request's sink; a finished request's sink is forgotten."""
+        rid = output.request_id
+        self._started(rid)
+        sink = self.sinks.pop(rid, None) if output.finished else self.sinks.get(rid)
+        if sink is not None:
+            sink(output)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        sink = self.sinks.get(request_id)
+        self.forget(request_id)
+        if sink is not None:
+            sink(error)
+
+    def forget(self, request_id: str) -> bool:
+        """False when it was not in flight."""
+        self._started(request_id)
+        return self.sinks.pop(request_id, None) is not None
+
+    def _started(self, request_id: str) -> None:
+        n = self.waiting.pop(request_id, None)
+        if n is not None:
+            self.waiting_tokens -= n
+
+
+class StepListeners(list[StepListener]):
+    def add(self, listener: StepListener) -> Callable[[], None]:
+        self.append(listener)
+        return lambda: self.remove(listener)
+
+    def emit(self, event: StepEvent) -> None:
+        for listener in self:
+            listener(event)
 
 
 class EngineClient:
@@ -92,13 +158,9 @@ class EngineClient:
         self.proc, self.to_core, self.from_core, self.reader = proc, to_core, from_core, reader
         self.config = config  # what the core was started with
         self.info = info
-        self.max_waiting, self.max_waiting_tokens = max_waiting, max_waiting_tokens
-        self.sinks: dict[str, Sink] = {}  # in flight: request_id -> where its outputs go
-        self.stats = EngineStats(0, 0, info.num_kv_blocks, info.num_kv_blocks, 0, 0.0, 0, 0, 0, 0)
-        self.step_listeners: list[Callable[[StepOutputs], None]] = []  # run on the loop, per step
+        self.requests = InFlight(max_waiting, max_waiting_tokens)
+        self.listeners = StepListeners()  # run on the loop, per step
         self.error: EngineDeadError | None = None
-        self._num_sent = self._tokens_sent = 0  # AddRequests written
-        self._num_seen = self._tokens_seen = 0  # ... and taken in by the core, as of the last step
         self._calls = itertools.count()
         self._stats_calls: dict[int, asyncio.Future[EngineStats]] = {}
         self._writer: asyncio.WriteTransport | None = None
@@ -164,35 +226,34 @@ class EngineClient:
         """Validate against the engine's limits (typed errors); nothing is sent yet."""
         return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority, lora_request)
 
-    def num_waiting(self) -> int:
-        """Requests the core has queued, plus those on their way to it."""
-        return self.stats.num_waiting + self._num_sent - self._num_seen
-
     def add_request(self, req: EngineCoreRequest, sink: Sink) -> None:
         """Send `req`; its outputs go to `sink`. Raises EngineDeadError or EngineOverloadedError (429)."""
         if self.error is not None:
             raise self.error
         if self._closing:
             raise EngineDeadError("the server is shutting down")
-        tokens_waiting = self._tokens_sent - self._tokens_seen  # an estimate: the core's own queue adds to it
-        check_waiting(req, self.num_waiting(), tokens_waiting, self.max_waiting, self.max_waiting_tokens)
-        self.sinks[req.request_id] = sink
-        self._num_sent += 1
-        self._tokens_sent += len(req.prompt_token_ids)
+        self.requests.admit(req, sink)
         self._send(AddRequest(req))
 
     def abort_request(self, request_id: str) -> None:
         """The caller has gone: forget its sink and free the request's blocks in the core."""
-        if self.sinks.pop(request_id, None) is not None and self.alive:
+        if self.requests.forget(request_id) and self.alive:
             self._send(AbortRequests([request_id]))
 
-    def abort_all(self) -> None:
+    def abort_all(self) -> int:
         """Abort everything in flight; each sink still gets its final ("abort") output."""
-        if self.sinks and self.alive:
-            self._send(AbortRequests(list(self.sinks)))
+        if self.requests and self.alive:
+            self._send(AbortRequests(list(self.requests.sinks)))
+        return len(self.requests)
+
+    def num_in_flight(self) -> int:
+        return len(self.requests)
+
+    def add_step_listener(self, listener: StepListener) -> Callable[[], None]:
+        return self.listeners.add(listener)
 
     async def get_stats(self) -> EngineStats:
-        """The core's stats now (KV-store counters included), not as of the last step."""
+        """The core's stats now (KV-store counters and memory included), not as of the last step."""
         if self.error is not None:
             raise self.error
         call_id = next(self._calls)
@@ -200,12 +261,13 @@ class EngineClient:
         self._stats_calls[call_id] = future
         self._send(GetStats(call_id))
         try:
-            return await asyncio.wait_for(future, STATS_TIMEOUT_S)
+            stats = await asyncio.wait_for(future, STATS_TIMEOUT_S)
         finally:
             self._stats_calls.pop(call_id, None)
+        return dataclasses.replace(stats, num_waiting=self.requests.num_waiting)
 
     def replica_stats(self) -> dict[str, EngineStats]:
-        return {}  # one engine: its stats are `stats`
+        return {}  # one engine
 
     def _send(self, msg: object) -> None:
         assert self._writer is not None, "EngineClient.start() has not run"
@@ -225,16 +287,12 @@ class EngineClient:
                 future.set_result(msg.stats)
 
     def _on_step(self, step: StepOutputs) -> None:
-        self.stats = step.stats
-        self._num_seen, self._tokens_seen = step.num_added, step.num_added_tokens
         for rid, message in step.rejected:
-            sink = self.sinks.pop(rid, None)
-            if sink is not None:
-                sink(InvalidRequestError(message))
+            self.requests.fail(rid, InvalidRequestError(message))
         for o in step.outputs:
-            deliver(self.sinks, o)
-        for listener in self.step_listeners:
-            listener(step)
+            self.requests.deliver(o)
+        stats = dataclasses.replace(step.stats, num_waiting=self.requests.num_waiting)
+        self.listeners.emit(StepEvent(step.outputs, stats, step.step_durations, step.stage_seconds))
 
     def _on_core_gone(self) -> None:
         """The pipe from the core closed: at shutdown, expected; otherwise the core died."""
@@ -246,29 +304,12 @@ class EngineClient:
             code = None
         how = f"exit code {code}" if code is not None and code >= 0 else f"signal {-code}" if code else "unknown cause"
         self.error = EngineDeadError(f"the engine core process died ({how})", code="engine_dead")
-        logger.error("%s; failing %d request(s)", self.error.message, len(self.sinks))
-        sinks, self.sinks = list(self.sinks.values()), {}
-        for sink in sinks:
-            sink(self.error)
+        logger.error("%s; failing %d request(s)", self.error.message, len(self.requests))
+        for rid in list(self.requests.sinks):
+            self.requests.fail(rid, self.error)
         for future in self._stats_calls.values():
             if not future.done():
                 future.set_exception(self.error)
-
-
-def check_waiting(req: EngineCoreRequest, num_waiting: int, tokens_waiting: int, max_waiting: int,
-                  max_waiting_tokens: int | None) -> None:
-    """429 (EngineOverloadedError) when `req` would make too many requests or prompt tokens wait."""
-    if num_waiting >= max_waiting or (
-        max_waiting_tokens is not None and tokens_waiting + len(req.prompt_token_ids) > max_waiting_tokens
-    ):
-        raise EngineOverloadedError(f"the server is overloaded ({num_waiting} requests waiting); retry later")
-
-
-def deliver(sinks: dict[str, Sink], output: RequestOutput) -> None:
-    """Hand `output` to its request's sink; a finished request's sink is forgotten."""
-    sink = sinks.pop(output.request_id, None) if output.finished else sinks.get(output.request_id)
-    if sink is not None:
-        sink(output)
 
 
 class _FromCoreProtocol(asyncio.Protocol):

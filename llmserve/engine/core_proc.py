@@ -51,8 +51,6 @@ class EngineCoreProc:
         # only the last step's records are sent on: a long-running core keeps no history
         engine.step_records = deque(engine.step_records, maxlen=STEP_RECORDS_KEPT)
         self.in_fd, self.out_fd, self.reader = in_fd, out_fd, reader
-        self.num_added = 0
-        self.num_added_tokens = 0
         self.rejected: list[tuple[str, str]] = []
         self.pending = pending  # messages read along with the Configure frame
 
@@ -83,13 +81,11 @@ class EngineCoreProc:
             records = list(itertools.islice(reversed(engine.step_records), n_new))[::-1]
             durations = [r.duration_s for r in records]
             stages = [sum(getattr(r, f"{stage}_s") for r in records) for stage in STAGES]
-            self._send(StepOutputs(outputs, engine.get_stats(), durations, self.num_added, self.num_added_tokens, self.rejected, stages))
+            self._send(StepOutputs(outputs, engine.get_stats(), durations, self.rejected, stages))
             self.rejected = []
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, AddRequest):
-            self.num_added += 1
-            self.num_added_tokens += len(msg.request.prompt_token_ids)
             try:
                 self.engine.add(msg.request)
             except errors.LLMServeError as e:  # a LoRA adapter that cannot be read (the rest the server checked)
@@ -103,9 +99,7 @@ class EngineCoreProc:
             logger.error("engine core: unreadable message (%s)", msg.error)
             added = msg.added_request()
             if added is not None:
-                self.num_added += 1  # the client counted it as sent
-                self.num_added_tokens += added[1]
-                self.rejected.append((added[0], f"the engine could not read the request: {msg.error}"))
+                self.rejected.append((added, f"the engine could not read the request: {msg.error}"))
 
     def _send(self, msg: object) -> None:
         write_all(self.out_fd, frame(msg))

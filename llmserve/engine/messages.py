@@ -58,9 +58,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     outputs: list[RequestOutput]
     stats: EngineStats  # after the step
     step_durations: list[float]  # seconds, of each engine step since the last StepOutputs
-    num_added: int  # AddRequests the core has taken in, since it started (for the 429 count)
-    num_added_tokens: int  # their prompt tokens
-    rejected: list[tuple[str, str]]  # (request_id, message): refused by the core (never expected)
+    rejected: list[tuple[str, str]]  # (request_id, message): refused by the core (an unreadable adapter or frame)
     stage_seconds: list[float]  # those steps' time in each profiling.STAGES stage, summed
 
 
@@ -86,12 +84,12 @@ class BadFrame(msgspec.Struct):
     body: bytes
     error: str
 
-    def added_request(self) -> tuple[str, int] | None:
-        """(request id, prompt tokens) of an AddRequest frame, when its body is readable at all."""
+    def added_request(self) -> str | None:
+        """The request id of an AddRequest frame, when its body is readable at all."""
         try:
             tag, fields = msgspec.msgpack.decode(self.body)
             if tag == "add":
-                return str(fields["request_id"]), len(fields["prompt_token_ids"])
+                return str(fields["request_id"])
         except (msgspec.DecodeError, ValueError, TypeError, KeyError):
             pass
         return None

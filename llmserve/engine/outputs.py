@@ -117,3 +117,19 @@ class EngineStats:
     spec_decode: dict[str, Any] = field(default_factory=dict)  # spec_decode.SpecStats.as_dict(), {} when off
     by_priority: dict[str, list[int]] = field(default_factory=dict)  # priority -> [running, waiting]; {} under fcfs
     lora: dict[str, Any] = field(default_factory=dict)  # --enable-lora: {"running": [names], "waiting": [names], "max_lora": n}
+
+    @classmethod
+    def idle(cls, num_blocks: int = 0) -> EngineStats:
+        """An engine that has not stepped yet."""
+        return cls(0, 0, num_blocks, num_blocks, 0, 0.0, 0, 0, 0, 0)
+
+
+@dataclass(slots=True)
+class StepEvent:
+    """What the front end's step listeners (metrics, the dashboard) see of the engine: per batch of
+    outputs, or of engine steps reported. Built by the door, never sent over a wire."""
+
+    outputs: list[RequestOutput]  # delivered with this event ([]: none)
+    stats: EngineStats  # the engine's, as of this event; num_waiting is the front end's count
+    step_durations: list[float] = field(default_factory=list)  # seconds, of engine steps since the last event
+    stage_seconds: list[float] = field(default_factory=list)  # those steps' time per profiling.STAGES stage ([]: none)

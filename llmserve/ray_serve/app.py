@@ -59,7 +59,7 @@ class Ingress:
         --shutdown-timeout to finish, then each ends with a final "abort" output."""
         self.server_ctx.begin_shutdown()
         deadline = time.monotonic() + max(0.0, self.server_config.shutdown_timeout) + DRAIN_SLACK_S
-        while self.client.sinks and time.monotonic() < deadline:
+        while self.client.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(DRAIN_SLACK_S)  # the final chunks reach the proxy and the clients
 

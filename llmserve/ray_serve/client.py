@@ -3,7 +3,8 @@
   add_request(req, sink) -> a task per request: handle.generate.remote(req) (streaming, routed by
                             the deployment's request router) -> each list of outputs to sink
   abort_request(id)      -> cancels that stream; the replica aborts the request
-  stats                  -> the replicas' EngineStats from the StatsBoard, summed
+  get_stats()            -> the replicas' EngineStats from the StatsBoard, summed
+  step listeners         -> a StepEvent per chunk of outputs, and per board read (the steps' times)
 
 Same invariants as the local door: every accepted request's sink gets outputs until one is
 finished, or one exception. A replica that dies fails only its own requests, with a 503
@@ -15,6 +16,7 @@ reached a live engine) is sent again, up to RETRIES times, so new requests go to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,12 +27,10 @@ from ray.serve.context import _set_request_context
 
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo, make_core_request
-from llmserve.engine.client import Sink, check_waiting, deliver
-from llmserve.engine.messages import StepOutputs
-from llmserve.engine.outputs import EngineStats, RequestOutput
+from llmserve.engine.client import InFlight, Sink, StepListener, StepListeners
+from llmserve.engine.outputs import EngineStats, RequestOutput, StepEvent
 from llmserve.errors import EngineDeadError, LLMServeError
 from llmserve.lora.request import LoRARequest
-from llmserve.profiling import STAGES
 from llmserve.ray_serve.board import READ_INTERVAL_S, get_board, sum_stats
 from llmserve.sampling import SamplingParams
 
@@ -39,7 +39,7 @@ RETRIES = 2
 
 
 @dataclass(slots=True)
-class InFlight:
+class Stream:
     """One request sent to the Engine deployment."""
 
     task: asyncio.Task | None  # streams its outputs to the sink
@@ -54,15 +54,14 @@ class RayEngineClient:
                  max_waiting: int = 256, max_waiting_tokens: int | None = None):
         self.handle = handle.options(stream=True)  # DeploymentHandle of the Engine deployment
         self.config, self.info, self.app_name = config, info, app_name
-        self.max_waiting, self.max_waiting_tokens = max_waiting, max_waiting_tokens
-        self.sinks: dict[str, Sink] = {}  # in flight: request_id -> where its outputs go
-        self.step_listeners: list[Callable[[StepOutputs], None]] = []  # run per chunk received
+        self.requests = InFlight(max_waiting, max_waiting_tokens)
+        self.listeners = StepListeners()  # run per chunk received and per board read
         self.error: EngineDeadError | None = None
-        self._empty = EngineStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0)
-        self.stats = self._empty
+        self._empty = EngineStats.idle()
+        self._stats = self._empty  # summed over the replicas, as of the last board read
         self._replicas: dict[str, EngineStats] = {}  # as last posted on the board
         self._retired: dict[str, EngineStats] = {}  # replicas gone from the board: their counters still count
-        self._requests: dict[str, InFlight] = {}
+        self._requests: dict[str, Stream] = {}
         self._board = None  # the StatsBoard actor, from start()
         self._reader: asyncio.Task | None = None
         self._closing = False
@@ -100,47 +99,54 @@ class RayEngineClient:
                      priority: int = 0, lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         return make_core_request(self.info, request_id, prompt_token_ids, params, arrival_time, priority, lora_request)
 
-    def num_waiting(self) -> int:
-        """Requests sent that have no output yet (queued in the router or in a replica)."""
-        return sum(not r.started for r in self._requests.values())
-
     def add_request(self, req: EngineCoreRequest, sink: Sink) -> None:
         if self._closing:
             raise EngineDeadError("the server is shutting down")
-        tokens_waiting = sum(r.prompt_tokens for r in self._requests.values() if not r.started)
-        check_waiting(req, self.num_waiting(), tokens_waiting, self.max_waiting, self.max_waiting_tokens)
+        self.requests.admit(req, sink)
         rid = req.request_id
-        self.sinks[rid] = sink
-        record = self._requests[rid] = InFlight(None, len(req.prompt_token_ids))
+        record = self._requests[rid] = Stream(None, len(req.prompt_token_ids))
         record.task = asyncio.get_running_loop().create_task(self._stream(req, record))
         # also when the task is cancelled before it ever ran (its `finally` would not)
         record.task.add_done_callback(lambda _: self._requests.pop(rid, None))
 
     def abort_request(self, request_id: str) -> None:
         """The caller has gone: forget its sink; cancelling the stream aborts it in its replica."""
-        self.sinks.pop(request_id, None)
+        self.requests.forget(request_id)
         record = self._requests.get(request_id)
         if record is not None and record.task is not None:
             record.task.cancel()
 
-    def abort_all(self) -> None:
+    def abort_all(self) -> int:
         """Each stream ends with a final "abort" output, then its replica aborts it."""
-        for rid in list(self.sinks):
-            r = self._requests.get(rid) or InFlight(None, 0)
+        rids = list(self.requests.sinks)
+        for rid in rids:
+            r = self._requests.get(rid) or Stream(None, 0)
             self._deliver([RequestOutput(rid, [], "", [], True, "abort", None, r.prompt_tokens, r.num_output_tokens,
                                          r.num_cached_tokens, time.time())])
             self.abort_request(rid)
+        return len(rids)
+
+    def num_in_flight(self) -> int:
+        return len(self.requests)
+
+    def add_step_listener(self, listener: StepListener) -> Callable[[], None]:
+        return self.listeners.add(listener)
 
     async def get_stats(self) -> EngineStats:
         await self._read_board()
         return self.stats
+
+    @property
+    def stats(self) -> EngineStats:
+        """As of the last board read, with the front end's queue depth."""
+        return dataclasses.replace(self._stats, num_waiting=self.requests.num_waiting)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         return dict(self._replicas)
 
     # ---- streams ----------------------------------------------------------------------------
 
-    async def _stream(self, req: EngineCoreRequest, record: InFlight) -> None:
+    async def _stream(self, req: EngineCoreRequest, record: Stream) -> None:
         """Send `req` (again, while it failed before its first output) and pass its outputs on."""
         for attempt in range(RETRIES + 1):
             stream = None
@@ -170,7 +176,7 @@ class RayEngineClient:
                 logger.warning("request %s: engine replica failed before its first output (%s); sending it again",
                                req.request_id, error)
 
-    def _deliver(self, outputs: list[RequestOutput], record: InFlight | None = None) -> bool:
+    def _deliver(self, outputs: list[RequestOutput], record: Stream | None = None) -> bool:
         """Hand outputs of one request to its sink, then to the step listeners; True once it finished."""
         finished = False
         for o in outputs:
@@ -178,16 +184,12 @@ class RayEngineClient:
                 record.started = True
                 record.num_output_tokens, record.num_cached_tokens = o.num_output_tokens, o.num_cached_tokens
             finished = finished or o.finished
-            deliver(self.sinks, o)
-        step = StepOutputs(outputs, self.stats, [], 0, 0, [], [0.0] * len(STAGES))
-        for listener in self.step_listeners:
-            listener(step)
+            self.requests.deliver(o)
+        self.listeners.emit(StepEvent(outputs, self.stats))
         return finished
 
     def _fail(self, rid: str, error: BaseException) -> None:
-        sink = self.sinks.pop(rid, None)
-        if sink is not None:
-            sink(error)
+        self.requests.fail(rid, error)
 
     # ---- stats ------------------------------------------------------------------------------
 
@@ -204,11 +206,9 @@ class RayEngineClient:
         for back in set(posted) & set(self._retired):
             del self._retired[back]
         self._replicas = posted
-        self.stats = sum_stats(list(posted.values()), list(self._retired.values()), self._empty)
+        self._stats = sum_stats(list(posted.values()), list(self._retired.values()), self._empty)
         if steps.durations:  # the engines' steps: the step-time histogram, the dashboard's stages
-            step = StepOutputs([], self.stats, steps.durations, 0, 0, [], steps.stage_seconds)
-            for listener in self.step_listeners:
-                listener(step)
+            self.listeners.emit(StepEvent([], self.stats, steps.durations, steps.stage_seconds))
 
     async def _follow_board(self) -> None:
         while True:

@@ -32,7 +32,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.client = await asyncio.to_thread(EngineClient.launch, config, log_level, UNBOUNDED)
         self.steps = StepFigures()  # since the last post
-        self.client.step_listeners.append(lambda step: self.steps.add(step.step_durations, step.stage_seconds))
+        self.client.add_step_listener(lambda step: self.steps.add(step.step_durations, step.stage_seconds))
         await self.client.start()
         self.app_name = app_name
         self.board = get_board(app_name)

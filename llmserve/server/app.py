@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
-from llmserve.engine.client import EngineClient, EngineDoor, EngineInfo
+from llmserve.engine.client import EngineClient, EngineDoor, EngineInfo, EngineStats
 from llmserve.errors import EngineDeadError, InvalidRequestError, LLMServeError
 from llmserve.server import (
     embeddings,
@@ -129,9 +129,11 @@ def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
     ctx.loras = served_adapters(client.info, config)
     metrics = ServerMetrics()
     ctx.semantic_cache = make_semantic_cache(ctx, config, engine_config.redis_url, engine_config.redis_timeout, metrics.embedding.observe)
-    metrics.attach(client, lambda: ctx.response_cache_stats, ctx.semantic_cache and (lambda: ctx.semantic_cache.stats))
-    ctx.live = LiveStats(lambda: client.stats, lambda: ctx.response_cache_stats)
-    client.step_listeners.append(ctx.live.on_step)
+    ctx.stats = EngineStats.idle(client.info.num_kv_blocks)
+    client.add_step_listener(ctx.on_step)
+    metrics.attach(client, lambda: ctx.stats, lambda: ctx.response_cache_stats, ctx.semantic_cache and (lambda: ctx.semantic_cache.stats))
+    ctx.live = LiveStats(lambda: ctx.stats, lambda: ctx.response_cache_stats)
+    client.add_step_listener(ctx.live.on_step)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

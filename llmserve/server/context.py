@@ -4,7 +4,6 @@ cache), and the drain state."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -16,7 +15,7 @@ from starlette.requests import Request
 from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
 from llmserve.cache.semantic_cache import SemanticCache
 from llmserve.config import ServerConfig
-from llmserve.engine.client import EngineDoor, EngineStats
+from llmserve.engine.client import EngineDoor, EngineStats, StepEvent
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling import SamplingParams
 from llmserve.server.errors import NotFoundError
@@ -49,6 +48,8 @@ class ServerContext:
     grammars: GrammarCompiler | None = None  # checks structured-output grammars (400 on a bad one)
     embedder: Any = None  # llmserve.embeddings.EmbeddingModel, loaded by the first request that embeds
     embedder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # the engine's stats as of the last step event (the queue depth counted in the front end)
+    stats: EngineStats = field(default_factory=EngineStats.idle)
     _deadline: asyncio.TimerHandle | None = field(default=None, init=False)  # aborts what is left
 
     @property
@@ -59,10 +60,8 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
 
-    def engine_stats(self) -> EngineStats:
-        """The engine's stats as of its last news, with the requests still on their way to it
-        counted as waiting."""
-        return dataclasses.replace(self.client.stats, num_waiting=self.client.num_waiting())
+    def on_step(self, event: StepEvent) -> None:
+        self.stats = event.stats
 
     @property
     def response_cache_stats(self) -> ResponseCacheStats:
@@ -105,10 +104,9 @@ class ServerContext:
             self._deadline = self.loop.call_later(grace, self._abort_in_flight)  # type: ignore[union-attr]
 
     def _abort_in_flight(self) -> None:
-        n = len(self.client.sinks)
+        n = self.client.abort_all()
         if n:
-            logger.info("grace period over: aborting %d request(s)", n)
-        self.client.abort_all()
+            logger.info("grace period over: aborted %d request(s)", n)
 
 
 def get_context(request: Request) -> ServerContext:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.engine.client import EngineStats, StepOutputs
+from llmserve.engine.client import EngineStats, StepEvent
 from llmserve.profiling import STAGES, timings_of
 
 WINDOW_S = 300
@@ -82,7 +82,7 @@ class LiveStats:
         cache = self.cache_source()
         s.cache_hits, s.cache_misses = cache.hits, cache.misses
 
-    def on_step(self, step: StepOutputs) -> None:
+    def on_step(self, step: StepEvent) -> None:
         s = self._now()
         s.steps += len(step.step_durations)
         for i, v in enumerate(step.stage_seconds[: len(STAGES)]):

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (GET /metrics, text format), in a registry of their own.
 
-Feeds: `on_step(outputs, stats, step_durations)` runs on the server's loop once per engine step
-(an EngineClient step listener: the StepOutputs the core sent); `on_rejected()` per 429;
+Feeds: `on_step(event)` runs on the server's loop per StepEvent (a step listener on the door:
+outputs, the stats after them, engine steps' durations); `on_rejected()` per 429;
 `render()` refreshes the gauges from the latest engine stats, counts the response cache's
 hits/misses/errors since the last scrape (ResponseCacheStats, the cache's own tally; the
 semantic cache's likewise), and serializes. The semantic cache times each embedding into a
@@ -20,7 +20,6 @@ What is observed when:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmserve.cache.response_cache import ResponseCacheStats
-from llmserve.engine.client import EngineDoor, EngineStats, RequestOutput
+from llmserve.engine.client import EngineDoor, EngineStats, RequestOutput, StepEvent
 from llmserve.profiling import timings_of
 
 logger = logging.getLogger("llmserve.metrics")
@@ -142,24 +141,25 @@ class ServerMetrics:
             tally = source()
             self._last |= {f"{name}.{k}": getattr(tally, k) for k in counters}
 
-    def attach(self, client: EngineDoor, response_cache_source: Callable[[], ResponseCacheStats] | None = None,
+    def attach(self, client: EngineDoor, stats_source: Callable[[], EngineStats],
+               response_cache_source: Callable[[], ResponseCacheStats] | None = None,
                semantic_cache_source: TallySource | None = None) -> None:
-        """Observe the engine behind `client` (a step listener) and the caches' tallies."""
-        self.stats_source = lambda: dataclasses.replace(client.stats, num_waiting=client.num_waiting())
+        """Observe the engine behind `client` (a step listener), its latest stats, and the caches' tallies."""
+        self.stats_source = stats_source
         for name, source, counters in (("response_cache", response_cache_source, RESPONSE_CACHE_COUNTERS),
                                        ("semantic_cache", semantic_cache_source, SEMANTIC_CACHE_COUNTERS)):
             if source is not None:
                 self.tallies[name] = (source, counters)
-        self._baseline(client.stats)
-        client.step_listeners.append(lambda step: self.on_step(step.outputs, step.stats, step.step_durations))
+        self._baseline(stats_source())
+        client.add_step_listener(self.on_step)
 
     # ---- feeds -------------------------------------------------------------------------------
 
-    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, step_durations: list[float]) -> None:
-        """After each engine step (its outputs, the stats after it, its duration). A metrics
+    def on_step(self, event: StepEvent) -> None:
+        """Per step event (outputs, the stats after them, engine steps' durations). A metrics
         fault is logged, never raised into the caller."""
         try:
-            self._observe_step(outputs, stats, step_durations)
+            self._observe_step(event.outputs, event.stats, event.step_durations)
         except Exception:
             logger.exception("metrics: observing a step failed")
 

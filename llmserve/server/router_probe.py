@@ -69,7 +69,7 @@ def _engines(ctx: ServerContext) -> list[EngineStats]:
     replicas = ctx.client.replica_stats()
     if replicas:
         return [replicas[r] for r in sorted(replicas)]
-    return [ctx.engine_stats()]
+    return [ctx.stats]
 
 
 def _load(rank: int, s: EngineStats, block_size: int) -> dict:

@@ -59,7 +59,7 @@ async def live(request: Request) -> Response:
         since = math.nan
     if not math.isfinite(since):
         raise InvalidRequestError("since must be a finite number (unix seconds)", "since")
-    points = ctx.live.points(since, ctx.engine_stats()) if ctx.live is not None else []
+    points = ctx.live.points(since, ctx.stats) if ctx.live is not None else []
     return JSONResponse({"stages": list(STAGES), "points": points})
 
 
