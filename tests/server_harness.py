@@ -131,7 +131,8 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90, port: int | None = None) -> Iterator[ServerProcess]:
+def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float = 90, port: int | None = None,
+                   extra_env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """`python -m llmserve.cli serve --model DIR --port P ARGS...` on `port` (default: a free
     one); yields it once /health answers 200; SIGTERM (then SIGKILL) on exit. Its log goes to
     log_path."""
@@ -139,7 +140,7 @@ def server_process(model_dir: str, log_path: Path, *args: str, timeout_s: float 
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model_dir, "--port", str(port),
            "--num-threads", "1", "--dtype", "float32", "--compile", "none", "--log-level", "warning", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_")} | (extra_env or {})
     with open(log_path, "w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:

@@ -5,7 +5,9 @@
                           between --min-replicas and --max-replicas on ongoing requests), routed
                           by PrefixAwareRouter or by Ray's default router (--request-router)
   run_ray(...)            joins --ray-address / $RAY_ADDRESS, or starts a local Ray instance for
-                          the life of the command; Serve's HTTP proxy listens on --host/--port;
+                          the life of the command (Ray's token auth, and its dashboard where
+                          ray[default] is installed, so that `ray status` and `ray list actors`
+                          work beside it; the log says how); Serve's HTTP proxy listens on --host/--port;
                           SIGTERM or Ctrl-C drains the ingress (as `llmserve serve` does), then
                           deletes the application (and stops a local instance)
 """
@@ -119,8 +121,10 @@ def run_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config
     """Deploy, serve until SIGTERM/SIGINT, delete the application; the exit code."""
     app = build_application(engine_config, server_config, ray_config)
     address = ray_config.ray_address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, namespace=NAMESPACE, logging_level=server_config.log_level.upper(),
-             **({} if address else {"include_dashboard": False}))
+    context = ray.init(address=address, namespace=NAMESPACE, logging_level=server_config.log_level.upper(),
+                       **({} if address else _local_instance(ray_config)))
+    if not address:
+        logger.info("%s", _inspect_hint(context.address_info["gcs_address"], context.dashboard_url))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, _interrupt)  # while deploying: stop at once (Ctrl-C too)
     try:
@@ -139,6 +143,25 @@ def run_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config
     finally:
         _teardown(local=not address)
     return 0
+
+
+def _local_instance(ray_config: RayConfig) -> dict:
+    """ray.init's options for a local instance: its dashboard on loopback where ray[default] is
+    installed (Ray starts it only then), none with --ray-dashboard-port 0."""
+    if not ray_config.ray_dashboard_port:
+        return {"include_dashboard": False}
+    return {"include_dashboard": None, "dashboard_host": "127.0.0.1", "dashboard_port": ray_config.ray_dashboard_port}
+
+
+def _inspect_hint(gcs_address: str, dashboard_url: str | None) -> str:
+    """How a Ray user inspects the local instance: Ray's CLI wants its token (written to
+    ~/.ray/auth_token by ray.init) and RAY_AUTH_MODE=token."""
+    hint = f"local Ray instance at {gcs_address}: `RAY_AUTH_MODE=token ray status --address {gcs_address}`"
+    if not dashboard_url:
+        return hint + "; no dashboard (`ray list actors` and the dashboard need: pip install 'ray[default]')"
+    url = dashboard_url if dashboard_url.startswith("http") else f"http://{dashboard_url}"
+    return (hint + f", `RAY_AUTH_MODE=token ray list actors --address {url}`; dashboard at {url} "
+            "(its token: `ray get-auth-token`)")
 
 
 def _drain(server_config: ServerConfig) -> None:
