@@ -29,7 +29,7 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from llmserve.engine.engine_core import LLMEngine
+    from llmserve.engine.llm_engine import LLMEngine
     from llmserve.sampling import SamplingParams
     from llmserve.tracing import write_trace
 

@@ -93,7 +93,7 @@ def ttft(engine, rid: str, ids: list[int]) -> float:
 def bench_prefix(args: argparse.Namespace, redis_url: str | None) -> list[tuple[str, float, float | None, str]]:
     """Rows (case, median TTFT ms, ratio to cold, blocks read from Redis per rep)."""
     from llmserve.config import EngineConfig, from_sources
-    from llmserve.engine.engine_core import LLMEngine
+    from llmserve.engine.llm_engine import LLMEngine
 
     def engine(timeout: float = 0.05) -> LLMEngine:
         return LLMEngine(from_sources(EngineConfig, env={}, model=args.model, num_blocks=args.num_blocks,

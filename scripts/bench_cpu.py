@@ -79,7 +79,7 @@ def machine(shape: tuple[int, int], native_bf16: bool) -> dict:
 
 
 def workload(config: EngineConfig, num_prompts: int, input_len: int, output_len: int, b1_rounds: int) -> dict:
-    from llmserve.engine.engine_core import LLMEngine
+    from llmserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
     rng = random.Random(0)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from llmserve.bench.args import add_workload_arguments
 from llmserve.config import EngineConfig, from_sources
-from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.lora.adapter import PROJECTIONS
 from llmserve.lora.manager import base_shapes
 from llmserve.lora.request import LoRARequest

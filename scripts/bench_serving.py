@@ -57,7 +57,7 @@ class InProcess:
     """LLMEngine stepped directly in this process."""
 
     def __init__(self, args: argparse.Namespace, warm: list[int]):
-        from llmserve.engine.engine_core import LLMEngine
+        from llmserve.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(from_sources(EngineConfig, env={}, model=args.model, dtype=args.dtype, num_threads=args.num_threads))
         self.params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)

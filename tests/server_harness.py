@@ -26,7 +26,7 @@ import uvicorn
 from redis_fixture import free_port
 
 from llmserve.config import EngineConfig, ServerConfig, from_sources
-from llmserve.engine.client import EngineClient
+from llmserve.engine.client import EngineCoreClient
 from llmserve.engine.llm import LLM
 from llmserve.engine.outputs import EngineStats
 from llmserve.server.app import GracefulServer, create_app
@@ -77,7 +77,7 @@ def live_server(model_dir: str, **options) -> Iterator[LiveServer]:
     engine_opts = {"num_threads": 1, "dtype": "float32", "compile": "none", **{k: v for k, v in options.items() if k in ENGINE_FIELDS}}
     server_opts = {"log_level": "warning", **{k: v for k, v in options.items() if k not in ENGINE_FIELDS}}
     server_config = from_sources(ServerConfig, env={}, **server_opts)
-    client = EngineClient.launch(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts),
+    client = EngineCoreClient.launch(from_sources(EngineConfig, env={}, model=model_dir, **engine_opts),
                                  server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
     try:
         app = create_app(client, server_config)

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.cache.response_cache import ResponseCacheStats
 from llmserve.config import EngineConfig, from_sources
-from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.outputs import StepEvent
 from llmserve.sampling import SamplingParams
 from llmserve.server.metrics import ServerMetrics

@@ -15,8 +15,8 @@ import torch
 from server_harness import live_server, torch_threads_restored
 
 from llmserve.config import EngineConfig, from_sources
-from llmserve.engine.engine_core import LLMEngine
 from llmserve.engine.llm import LLM
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.request import Request
 from llmserve.engine.spec_decode import PAUSE_STEPS, NgramIndex, NgramProposer, SpecConfig, StepCost
 from llmserve.sampling import SamplingParams

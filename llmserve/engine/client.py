@@ -1,5 +1,6 @@
-"""EngineClient: the one door between the server and the engine (EngineDoor, below). The engine
-core runs in its own OS process (engine/core_proc.py); this side holds no engine state, only what
+"""The door between the server and the engine: the EngineClient protocol (below; vLLM's name for
+it), and EngineCoreClient, its implementation over one engine core in its own OS process
+(engine/engine_core.py; vLLM's EngineCoreClient). This side holds no engine state, only what
 crossed the pipe.
 
   server (asyncio loop)                                     engine-core process
@@ -54,7 +55,7 @@ from llmserve.errors import EngineDeadError, EngineOverloadedError, InvalidReque
 from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams
 
-__all__ = ["EngineClient", "EngineCoreRequest", "EngineDoor", "EngineInfo", "EngineStats", "RequestOutput", "StepEvent"]
+__all__ = ["EngineCoreClient", "EngineCoreRequest", "EngineClient", "EngineInfo", "EngineStats", "RequestOutput", "StepEvent"]
 
 logger = logging.getLogger("llmserve.engine")
 Sink = Callable[[RequestOutput | BaseException], None]
@@ -62,8 +63,8 @@ StepListener = Callable[[StepEvent], None]
 STATS_TIMEOUT_S = 10.0
 
 
-class EngineDoor(Protocol):
-    """What the server needs of an engine. Two implementations: EngineClient (below: one engine
+class EngineClient(Protocol):
+    """What the server needs of an engine. Two implementations: EngineCoreClient (below: one engine
     core in a child process) and RayEngineClient (llmserve/ray_serve/client.py: engine replicas
     on a Ray cluster). The invariants in this module's docstring hold for both."""
 
@@ -152,7 +153,7 @@ class StepListeners(list[StepListener]):
             listener(event)
 
 
-class EngineClient:
+class EngineCoreClient:
     def __init__(self, config: EngineConfig, proc: subprocess.Popen, to_core: int, from_core: int, reader: FrameReader,
                  info: EngineInfo, max_waiting: int = 256, max_waiting_tokens: int | None = None):
         self.proc, self.to_core, self.from_core, self.reader = proc, to_core, from_core, reader
@@ -170,13 +171,13 @@ class EngineClient:
 
     @classmethod
     def launch(cls, config: EngineConfig, log_level: str = "info", max_waiting: int = 256,
-               max_waiting_tokens: int | None = None) -> EngineClient:
+               max_waiting_tokens: int | None = None) -> EngineCoreClient:
         """Start the core process and wait (blocking) until its engine is ready; a start-up
         failure raises its typed error (e.g. ModelLoadError) here."""
         core_in, to_core = os.pipe()
         from_core, core_out = os.pipe()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "llmserve.engine.core_proc", str(core_in), str(core_out)],
+            [sys.executable, "-m", "llmserve.engine.engine_core", str(core_in), str(core_out)],
             pass_fds=(core_in, core_out), stdin=subprocess.DEVNULL,
         )
         os.close(core_in)
@@ -270,7 +271,7 @@ class EngineClient:
         return {}  # one engine
 
     def _send(self, msg: object) -> None:
-        assert self._writer is not None, "EngineClient.start() has not run"
+        assert self._writer is not None, "EngineCoreClient.start() has not run"
         self._writer.write(frame(msg))
 
     # ---- from the core (loop thread) --------------------------------------------------------
@@ -313,7 +314,7 @@ class EngineClient:
 
 
 class _FromCoreProtocol(asyncio.Protocol):
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EngineCoreClient):
         self.client = client
 
     def data_received(self, data: bytes) -> None:

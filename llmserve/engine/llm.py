@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from llmserve.config import EngineConfig, from_sources
-from llmserve.engine.engine_core import LLMEngine
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.outputs import CompletionOutput, GenerationOutput, RequestOutput
 from llmserve.lora.request import LoRARequest
 from llmserve.sampling import SamplingParams, fan_out

@@ -5,7 +5,7 @@
                           client: RayEngineClient (client.py), the engine door over a
                           DeploymentHandle, routed by PrefixAwareRouter (router.py)
                        -> Engine deployment, N replicas (replica.py): each one llmserve engine
-                          core process behind a local EngineClient, streaming RequestOutputs
+                          core process behind a local EngineCoreClient, streaming RequestOutputs
   StatsBoard (board.py): a small actor where replicas post their EngineStats and step times
                           and the ingress reads them (/stats, /metrics, the dashboard)
 

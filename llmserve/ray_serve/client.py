@@ -1,4 +1,4 @@
-"""RayEngineClient: the engine door (engine/client.EngineDoor) over Ray Serve engine replicas.
+"""RayEngineClient: the engine door (engine/client.EngineClient) over Ray Serve engine replicas.
 
   add_request(req, sink) -> a task per request: handle.generate.remote(req) (streaming, routed by
                             the deployment's request router) -> each list of outputs to sink

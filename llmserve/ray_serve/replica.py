@@ -1,7 +1,7 @@
 """EngineReplica: one llmserve engine as a Ray Serve replica (the Engine deployment).
 
 The replica runs the engine exactly as `llmserve serve` does: an engine-core process behind a
-local EngineClient (engine/client.py). `generate` streams one request's outputs to the ingress as
+local EngineCoreClient (engine/client.py). `generate` streams one request's outputs to the ingress as
 lists of RequestOutputs (all that piled up since the last one); the ingress cancelling the stream (its client went away) aborts the request here,
 which frees its KV blocks. Ray restarts a replica whose actor dies, or whose core process died
 (the replica exits).
@@ -18,7 +18,7 @@ from ray import serve
 
 from llmserve.config import EngineConfig
 from llmserve.engine.admission import EngineCoreRequest, EngineInfo
-from llmserve.engine.client import EngineClient
+from llmserve.engine.client import EngineCoreClient
 from llmserve.engine.outputs import RequestOutput
 from llmserve.ray_serve.board import POST_INTERVAL_S, StepFigures, get_board
 
@@ -30,7 +30,7 @@ class EngineReplica:
     async def __init__(self, config: EngineConfig, app_name: str, log_level: str = "info"):
         logging.getLogger("llmserve").setLevel(log_level.upper())
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.client = await asyncio.to_thread(EngineClient.launch, config, log_level, UNBOUNDED)
+        self.client = await asyncio.to_thread(EngineCoreClient.launch, config, log_level, UNBOUNDED)
         self.steps = StepFigures()  # since the last post
         self.client.add_step_listener(lambda step: self.steps.add(step.step_durations, step.stage_seconds))
         await self.client.start()

@@ -1,4 +1,4 @@
-"""The Starlette app over one engine door (EngineClient, or RayEngineClient under `--ray`), and `llmserve serve`: the engine core in its own
+"""The Starlette app over one engine door (EngineCoreClient, or RayEngineClient under `--ray`), and `llmserve serve`: the engine core in its own
 process, uvicorn in this one, with a graceful SIGTERM.
 
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes and new requests get 503; in-flight
@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmserve.cache.response_cache import make_response_cache
 from llmserve.config import EngineConfig, ServerConfig
-from llmserve.engine.client import EngineClient, EngineDoor, EngineInfo, EngineStats
+from llmserve.engine.client import EngineClient, EngineCoreClient, EngineInfo, EngineStats
 from llmserve.errors import EngineDeadError, InvalidRequestError, LLMServeError
 from llmserve.server import (
     embeddings,
@@ -112,7 +112,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def create_app(client: EngineDoor, config: ServerConfig) -> Starlette:
+def create_app(client: EngineClient, config: ServerConfig) -> Starlette:
     """The app over the engine behind `client` (launched, not yet started; a local core process or
     Ray engine replicas); its lifespan attaches the client to the loop and stops it at the end.
     app.state.ctx (ServerContext) holds the client, the tokenizer, the config, the response cache
@@ -209,7 +209,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # Streams end through our drain (abort -> final chunk -> [DONE]), not sse-starlette's own
     # cancel-on-shutdown, which would cut them without a finish_reason.
     AppStatus.disable_automatic_graceful_drain()
-    client = EngineClient.launch(engine_config, server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
+    client = EngineCoreClient.launch(engine_config, server_config.log_level, server_config.max_waiting, server_config.max_waiting_tokens)
     try:
         app = create_app(client, server_config)
         ctx: ServerContext = app.state.ctx

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from llmserve.cache.response_cache import ResponseCache, ResponseCacheStats
 from llmserve.cache.semantic_cache import SemanticCache
 from llmserve.config import ServerConfig
-from llmserve.engine.client import EngineDoor, EngineStats, StepEvent
+from llmserve.engine.client import EngineClient, EngineStats, StepEvent
 from llmserve.errors import InvalidRequestError
 from llmserve.sampling import SamplingParams
 from llmserve.server.errors import NotFoundError
@@ -34,7 +34,7 @@ logger = logging.getLogger("llmserve.server")
 
 @dataclass(slots=True)
 class ServerContext:
-    client: EngineDoor  # the one door to the engine (a core process, or Ray engine replicas)
+    client: EngineClient  # the one door to the engine (a core process, or Ray engine replicas)
     tokenizer: Tokenizer
     config: ServerConfig
     response_cache: ResponseCache | None = None  # None: --no-response-cache

@@ -41,7 +41,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llmserve.cache.response_cache import ResponseCacheStats
-from llmserve.engine.client import EngineDoor, EngineStats, RequestOutput, StepEvent
+from llmserve.engine.client import EngineClient, EngineStats, RequestOutput, StepEvent
 from llmserve.profiling import timings_of
 
 logger = logging.getLogger("llmserve.metrics")
@@ -141,7 +141,7 @@ class ServerMetrics:
             tally = source()
             self._last |= {f"{name}.{k}": getattr(tally, k) for k in counters}
 
-    def attach(self, client: EngineDoor, stats_source: Callable[[], EngineStats],
+    def attach(self, client: EngineClient, stats_source: Callable[[], EngineStats],
                response_cache_source: Callable[[], ResponseCacheStats] | None = None,
                semantic_cache_source: TallySource | None = None) -> None:
         """Observe the engine behind `client` (a step listener), its latest stats, and the caches' tallies."""
