@@ -96,7 +96,7 @@ def bench_prefix(args: argparse.Namespace, redis_url: str | None) -> list[tuple[
     from llmserve.engine.llm_engine import LLMEngine
 
     def engine(timeout: float = 0.05) -> LLMEngine:
-        return LLMEngine(from_sources(EngineConfig, env={}, model=args.model, num_blocks=args.num_blocks,
+        return LLMEngine(from_sources(EngineConfig, env={}, model=args.model, dtype=args.dtype, num_blocks=args.num_blocks,
                                       num_threads=args.num_threads, redis_url=redis_url, redis_timeout=timeout))
 
     a = engine()
@@ -195,6 +195,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3, help="fresh prefixes measured (median)")
     p.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks per in-process engine")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--dtype", default="auto", help="the engines' dtype (auto: bfloat16 where the CPU computes it natively)")
     p.add_argument("--redis-timeouts", type=lambda v: [float(x) for x in v.split(",")], default=[0.05],
                    help="one Redis-tier replica per timeout, seconds (engine default 0.05)")
     p.add_argument("--hits", type=int, default=200, help="response-cache hits timed")

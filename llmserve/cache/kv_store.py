@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
@@ -124,34 +125,46 @@ class RedisKVStore:
             self.stats.dropped += 1
 
     def fetch(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        """The longest run of consecutive valid blocks for `hashes` (MGETs streamed WINDOW deep)."""
+        """The longest run of consecutive valid blocks for `hashes`."""
+        return [kv for run in self.fetch_runs(hashes) for kv in run]
+
+    def fetch_runs(self, hashes: list[bytes]) -> Iterator[list[torch.Tensor]]:
+        """The longest run of consecutive valid blocks for `hashes`, one MGET's worth at a time as
+        its reply arrives (MGETs streamed WINDOW deep), so that the caller copies one while Redis
+        sends the next. Each block is a read-only view of its reply. A Redis error, or the budget
+        running out, ends the run there (counted, never raised)."""
         if not hashes or not self.breaker.allow():
-            return []
+            return
         try:
-            raws = self._mget_stream([self.key(h) for h in hashes])
+            for raws in self._mget_stream([self.key(h) for h in hashes]):
+                run = self._decode_run(raws)
+                if run:
+                    yield run
+                if len(run) < len(raws):
+                    break  # a missing or bad block: what follows it is of no use
             self.breaker.success()
         except Exception as e:  # redis-py raises many kinds (timeouts, connection, protocol)
             self._error(e)
-            return []
-        out = []
-        for raw in raws:
-            if raw is None:
-                break
-            kv = decode_block(raw, self.shape, self.dtype)
-            if kv is None:
-                self.stats.blocks_rejected += 1
-                break
-            out.append(kv)
-        self.stats.blocks_read += len(out)
-        return out
 
-    def _mget_stream(self, keys: list[str]) -> list[bytes | None]:
+    def _decode_run(self, raws: list[bytes | None]) -> list[torch.Tensor]:
+        run = []
+        for raw in raws:
+            kv = None if raw is None else decode_block(raw, self.shape, self.dtype)
+            if kv is None:
+                self.stats.blocks_rejected += raw is not None
+                break
+            run.append(kv)
+        self.stats.blocks_read += len(run)
+        return run
+
+    def _mget_stream(self, keys: list[str]) -> Iterator[list[bytes | None]]:
+        """Each MGET's reply, in order; a generator closed early disconnects its connection (the
+        replies still in flight must never reach another fetch)."""
         per = max(1, FETCH_BYTES // self.block_bytes)
         groups = [keys[i : i + per] for i in range(0, len(keys), per)]
         deadline = time.monotonic() + self.budget_s(len(keys) * self.block_bytes)
         pool = self.client.connection_pool
         conn = pool.get_connection()
-        raws: list[bytes | None] = []
         try:
             sent = 0
             for i in range(len(groups)):
@@ -163,13 +176,12 @@ class RedisKVStore:
                 reply = conn.read_response()
                 if not isinstance(reply, list) or len(reply) != len(groups[i]):
                     raise ValueError(f"MGET of {len(groups[i])} keys answered with {type(reply).__name__}")
-                raws += reply
-        except BaseException:
+                yield reply
+        except BaseException:  # GeneratorExit included
             conn.disconnect()  # replies may still be in flight: never hand this socket back as is
             raise
         finally:
             pool.release(conn)
-        return raws
 
     def _write_loop(self) -> None:
         """Until the None that close() queues: write what is queued, WRITE_BATCH at a time."""
@@ -255,11 +267,15 @@ class KVConnector:
         self.loads[request_id] = self.loader.submit(self._load, hashes, block_ids)
 
     def _load(self, hashes: list[bytes], block_ids: list[int]) -> int:
-        payloads = self.store.fetch(hashes)
-        for block_id, kv in zip(block_ids, payloads, strict=False):
+        """Copy each run as it arrives: one index_copy_ per layer for the run's blocks."""
+        loaded = 0
+        for run in self.store.fetch_runs(hashes):
+            ids = torch.tensor(block_ids[loaded : loaded + len(run)], device=self.kv_caches[0].device)
+            kv = torch.stack(run).to(self.kv_caches[0].device)  # [n, layers, 2, block_size, kv_heads, head_dim]
             for layer, cache in enumerate(self.kv_caches):
-                cache[:, block_id].copy_(kv[layer])
-        return len(payloads)
+                cache.index_copy_(1, ids, kv[:, layer].transpose(0, 1))
+            loaded += len(run)
+        return loaded
 
     def finished_loads(self) -> list[tuple[str, int]]:
         """(request_id, blocks loaded) of the loads done since the last call."""
