@@ -17,7 +17,8 @@ Rules (`auto` everywhere):
   AVX-512), except for int8 layers (eager) and models too small for a compile to pay back.
 - linear: oneDNN-packed weights; where the native kernels run and a second copy costs at most
   an eighth of the RAM, plain weights too, for steps of at most 4 rows (batch-1 decode), which
-  llmserve::gemv reads at close to the streaming bandwidth.
+  llmserve::gemv reads at close to the streaming bandwidth; its software prefetch distance (none,
+  or 1-8 KB ahead) is measured once per machine, ISA and dtype (cached beside the kernels).
 - attention: the native kernels where they build, in the widest ISA variant the CPU runs
   (LLMSERVE_CPU_ISA=avx2|portable forces a narrower one); pure torch otherwise.
 - device: cuda when asked for (auto stays on the CPU until the CUDA path has run on a GPU).
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,6 +49,8 @@ ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "A
                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
 GEMV_MEMORY_SHARE = 8  # a plain copy of the weights for batch-1 steps, where it costs at most 1/8 of the RAM
 MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
+GEMV_PREFETCH_BYTES = (0, 1024, 2048, 4096, 8192)  # the software prefetch distances measured
+GEMV_PROBE_BYTES = 256 << 20  # the weight they are measured over: more than most last-level caches hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,7 @@ class ExecutionPlan:
     attention_backend: Choice  # native | torch (CPU) | triton (CUDA)
     cpu_isa: Choice  # the native decode kernel's variant: avx512 | avx2 | portable (or none)
     linear_backend: Choice  # onednn-packed+gemv | onednn-packed | int8 | dense
+    gemv_prefetch: Choice  # bytes llmserve::gemv prefetches ahead: 0 (none) | 1024 ... 8192
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -180,7 +185,10 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
     compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
     linear = _linear(config.quantize, dtype, attention, model_config)
-    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear)
+    prefetch = Choice("0", "no llmserve::gemv in this plan")
+    if linear.value.endswith("+gemv"):
+        prefetch = measured_gemv_prefetch(isa.value, DTYPES[dtype.value])
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch)
 
 
 def _cpu_class(cpu: CpuInfo) -> Choice:
@@ -213,7 +221,8 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
     compile_ = Choice("none", "asked for" if config.compile == "none" else
                       "auto: eager; the compiled step graph and CUDA graphs have not run on a GPU yet")
     return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
-                         Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"))
+                         Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"),
+                         Choice("0", "no llmserve::gemv on a GPU"))
 
 
 def _dtype(requested: str, cpu: CpuInfo) -> Choice:
@@ -313,12 +322,30 @@ def approx_params(c) -> int:
 
 def measured_kv_cache_dtype(isa: str, model_config, num_seqs: int = 32, context: int = 512) -> Choice:
     """float32 or bfloat16 cache under float32 queries, whichever decode attention runs faster at
-    `num_seqs` sequences of `context` tokens; measured once per (ISA, head shape, threads) and kept
-    in measurements.json beside the kernels."""
-    from llmserve import kernels
-
+    `num_seqs` sequences of `context` tokens; measured once per (ISA, head shape, threads)."""
     c = model_config
     key = f"kv_cache_dtype:{isa}:{c.num_attention_heads}x{c.num_key_value_heads}x{c.head_dim}:{torch.get_num_threads()}t"
+    ms = _measured(key, isa, lambda: {name: _time_decode(DTYPES[name], c, num_seqs, context) for name in DTYPES})
+    best = min(ms, key=ms.get)
+    return Choice(best, f"auto: measured decode attention {ms['float32']:.2f} ms float32, {ms['bfloat16']:.2f} ms "
+                        f"bfloat16 ({num_seqs} x {context} tokens, {isa})")
+
+
+def measured_gemv_prefetch(isa: str, dtype: torch.dtype) -> Choice:
+    """llmserve::gemv's software prefetch distance (bytes; 0: none), the fastest over a weight
+    larger than most caches; measured once per (ISA, dtype, threads)."""
+    name = str(dtype).removeprefix("torch.")
+    ms = _measured(f"gemv_prefetch:{isa}:{name}:{torch.get_num_threads()}t", isa, lambda: _time_gemv(dtype))
+    best = min(ms, key=ms.get)
+    figures = ", ".join(f"{k} B {v:.2f} ms" for k, v in sorted(ms.items(), key=lambda kv: int(kv[0])))
+    return Choice(best, f"auto: measured a batch-1 gemv over {GEMV_PROBE_BYTES >> 20} MiB of {name} weights ({isa}): {figures}")
+
+
+def _measured(key: str, isa: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """measure() (choice -> ms) under the `isa` kernel variant, run once per key and kept in
+    measurements.json beside the kernels, so that later starts read the same figures."""
+    from llmserve import kernels
+
     path = kernels.build_directory() / "measurements.json"
     try:
         cached = json.loads(path.read_text())
@@ -328,17 +355,37 @@ def measured_kv_cache_dtype(isa: str, model_config, num_seqs: int = 32, context:
         before = kernels.selected_isa()
         kernels.select_isa(isa)
         try:
-            cached[key] = {name: _time_decode(DTYPES[name], c, num_seqs, context) for name in DTYPES}
+            cached[key] = measure()
         finally:
             kernels.select_isa(before)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
         tmp.replace(path)
-    ms = cached[key]
-    best = min(ms, key=ms.get)
-    return Choice(best, f"auto: measured decode attention {ms['float32']:.2f} ms float32, {ms['bfloat16']:.2f} ms "
-                        f"bfloat16 ({num_seqs} x {context} tokens, {isa})")
+    return cached[key]
+
+
+def _time_gemv(dtype: torch.dtype, rounds: int = 5) -> dict[str, float]:
+    """Median ms of one batch-1 gemv over GEMV_PROBE_BYTES of `dtype` weights [rows, 576] (a small
+    model's hidden size), per prefetch distance; the distances interleave round by round, so that
+    a shared machine's drift falls on all of them."""
+    from llmserve import kernels
+
+    w = torch.ones(GEMV_PROBE_BYTES // (576 * dtype.itemsize), 576, dtype=dtype)
+    x = torch.randn(1, 576)
+    times: dict[str, list[float]] = {str(d): [] for d in GEMV_PREFETCH_BYTES}
+    before = kernels.gemv_prefetch()
+    try:
+        torch.ops.llmserve.gemv(x, w, None)
+        for _ in range(rounds):
+            for d in GEMV_PREFETCH_BYTES:
+                kernels.set_gemv_prefetch(d)
+                t = time.perf_counter()
+                torch.ops.llmserve.gemv(x, w, None)
+                times[str(d)].append((time.perf_counter() - t) * 1000)
+    finally:
+        kernels.set_gemv_prefetch(before)
+    return {d: sorted(ts)[rounds // 2] for d, ts in times.items()}
 
 
 def _time_decode(kv_dtype: torch.dtype, c, num_seqs: int, context: int, reps: int = 5) -> float:

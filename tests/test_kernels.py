@@ -232,19 +232,29 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_gemv_equals_a_linear_layer(op, dtype, tol):
     """llmserve::gemv, the batch-1 linear over a plain weight: every row count it takes, input
-    widths that end in a part step, a single vector or a scalar tail, with and without bias; more
-    rows are refused."""
+    widths that end in a part step, a single vector or a scalar tail, with and without bias, with
+    and without software prefetch (reading past the weight's end must not matter); more rows are
+    refused, and so is a prefetch distance out of range."""
     g = torch.Generator().manual_seed(6)
-    for rows in (1, 2, 3, 4):
-        for out, width in ((37, 100), (7, 120), (960, 576), (5, 8)):
-            x = torch.randn(rows, width, generator=g).to(dtype)
-            w = torch.randn(out, width, generator=g).to(dtype)
-            bias = torch.randn(out, generator=g) if out != 5 else None
-            got = torch.ops.llmserve.gemv(x, w, bias)
-            want = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
-            assert got.dtype == dtype and got.shape == (rows, out)
-            err = (got.double() - want).abs().max().item()
-            assert err <= tol * max(1.0, want.abs().max().item()), (rows, out, width, err)
+    before = kernels.gemv_prefetch()
+    try:
+        for prefetch in (0, 64, 4096):
+            kernels.set_gemv_prefetch(prefetch)
+            assert kernels.gemv_prefetch() == prefetch
+            for rows in (1, 2, 3, 4):
+                for out, width in ((37, 100), (7, 120), (960, 576), (5, 8)):
+                    x = torch.randn(rows, width, generator=g).to(dtype)
+                    w = torch.randn(out, width, generator=g).to(dtype)
+                    bias = torch.randn(out, generator=g) if out != 5 else None
+                    got = torch.ops.llmserve.gemv(x, w, bias)
+                    want = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+                    assert got.dtype == dtype and got.shape == (rows, out)
+                    err = (got.double() - want).abs().max().item()
+                    assert err <= tol * max(1.0, want.abs().max().item()), (rows, out, width, prefetch, err)
+        with pytest.raises(RuntimeError, match="0 to 65536 bytes"):
+            kernels.set_gemv_prefetch(-1)
+    finally:
+        kernels.set_gemv_prefetch(before)
     with pytest.raises(RuntimeError, match="at most 4 rows"):
         torch.ops.llmserve.gemv(torch.ones(5, 8), torch.ones(3, 8), None)
 

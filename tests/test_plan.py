@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,14 @@ from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError
 from llmserve.model.compile import CompileUnavailableError
 from llmserve.model.config import ModelConfig
-from llmserve.plan import CpuInfo, DeviceUnavailableError, GpuInfo, build_plan, gpu_plan
+from llmserve.plan import (
+    GEMV_PREFETCH_BYTES,
+    CpuInfo,
+    DeviceUnavailableError,
+    GpuInfo,
+    build_plan,
+    gpu_plan,
+)
 
 AVX2_ONLY = CpuInfo("AMD EPYC (Zen 3)", frozenset("sse4_2 avx avx2 fma f16c".split()), 2)
 AVX512_BF16 = CpuInfo("AMD EPYC (Zen 5)", frozenset("avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16".split()), 2)
@@ -61,6 +69,20 @@ def test_kv_cache_dtype_auto_is_measured_where_float32_was_chosen_for_speed():
     # float32 asked for: float32 numerics, no measurement
     asked = plan(AVX2_ONLY, kernels_ok=True, dtype="float32")
     assert asked.kv_cache_dtype.value == "float32" and "asked for" in asked.kv_cache_dtype.reason
+
+
+@pytest.mark.skipif(not kernels.load(), reason="no native kernels (no C++ compiler)")
+def test_gemv_prefetch_is_the_distance_measured_fastest_and_kept():
+    """Where llmserve::gemv runs, its prefetch distance is the fastest of those measured (the
+    figures are in the reason), kept beside the kernels so that a second plan reads the same;
+    without gemv (pure-torch attention) there is none."""
+    first = plan(AVX2_ONLY, kernels_ok=True)
+    assert first.linear_backend.value == "onednn-packed+gemv"
+    figures = dict(re.findall(r"(\d+) B ([\d.]+) ms", first.gemv_prefetch.reason))
+    assert set(figures) == {str(d) for d in GEMV_PREFETCH_BYTES}
+    assert float(figures[first.gemv_prefetch.value]) == min(map(float, figures.values()))
+    assert plan(AVX2_ONLY, kernels_ok=True).gemv_prefetch == first.gemv_prefetch
+    assert plan(AVX2_ONLY, kernels_ok=False).gemv_prefetch.value == "0"
 
 
 def test_explicit_bfloat16_without_native_support_runs_with_one_warning(caplog):

@@ -110,6 +110,7 @@ class ModelRunner:
             return
         if plan.native:
             kernels.select_isa(plan.cpu_isa.value)
+            kernels.set_gemv_prefetch(int(plan.gemv_prefetch.value))
         self.model.use_native_attention(plan.native)
         self.model.use_native_lora(plan.native)
         linear = plan.linear_backend.value

@@ -101,6 +101,15 @@ def selected_isa() -> str:
     return torch.ops.llmserve.cpu_isa()
 
 
+def set_gemv_prefetch(nbytes: int) -> None:
+    """llmserve::gemv's software prefetch distance from now on in this process (0: none)."""
+    torch.ops.llmserve.set_gemv_prefetch(nbytes)
+
+
+def gemv_prefetch() -> int:
+    return torch.ops.llmserve.gemv_prefetch()
+
+
 def _register_fake() -> None:
     """Shape-only implementation, so torch.compile can trace through the op."""
 

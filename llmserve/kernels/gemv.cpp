@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <optional>
 
 #include "gemv.h"
@@ -20,7 +21,7 @@ using llmserve::KvType;
 
 template <typename T>
 void gemv_portable(const float* x, int64_t m, const void* wv, const float* bias, int64_t in, int64_t o0, int64_t o1,
-                   float* y, int64_t out) {
+                   float* y, int64_t out, int64_t /*pf*/) {
   const T* w = static_cast<const T*>(wv);
   for (int64_t o = o0; o < o1; ++o)
     for (int64_t r = 0; r < m; ++r) {
@@ -47,6 +48,15 @@ GemvFn pick(KvType weight) {
   }
 }
 
+std::atomic<int64_t> prefetch_bytes{0};  // set by the plan (set_gemv_prefetch); 0: none
+
+void set_gemv_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= (1 << 16), "set_gemv_prefetch: 0 to 65536 bytes, not ", bytes);
+  prefetch_bytes.store(bytes);
+}
+
+int64_t gemv_prefetch() { return prefetch_bytes.load(); }
+
 }  // namespace
 
 namespace llmserve {
@@ -68,13 +78,23 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   float* yp = y.data_ptr<float>();
   if (m > 0) {
     const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
-    at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, wp, bp, in, o0, o1, yp, out); });
+    const int64_t pf = prefetch_bytes.load(std::memory_order_relaxed);
+    at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, wp, bp, in, o0, o1, yp, out, pf); });
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 }  // namespace llmserve
 
-TORCH_LIBRARY_FRAGMENT(llmserve, m) { m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(llmserve, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("set_gemv_prefetch(int bytes) -> ()");
+  m.def("gemv_prefetch() -> int");
+}
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("gemv", &llmserve::gemv); }
+
+TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
+  m.impl("set_gemv_prefetch", &set_gemv_prefetch);
+  m.impl("gemv_prefetch", &gemv_prefetch);
+}

@@ -2,7 +2,8 @@
 // isa_avx512.cpp): a linear layer for steps of at most kGemvMaxRows rows (batch-1 decode), which
 // is bound by reading the weights once, over a plain [out, in] weight.
 //   y[m, o] = sum_i x[m, i] * w[o, i] + bias[o]   for rows o in [o0, o1), m < M
-// x: [M, in] fp32; w: [out, in] float or bf16 bits; bias: [out] fp32 or nullptr; y: [M, out] fp32.
+// x: [M, in] fp32; w: [out, in] float or bf16 bits; bias: [out] fp32 or nullptr; y: [M, out] fp32;
+// pf: software prefetch distance in bytes (0: none; see gemv_kernel.h).
 
 #pragma once
 
@@ -15,7 +16,7 @@ namespace llmserve {
 constexpr int64_t kGemvMaxRows = 4;
 
 using GemvFn = void (*)(const float* x, int64_t m, const void* w, const float* bias, int64_t in, int64_t o0,
-                        int64_t o1, float* y, int64_t out);
+                        int64_t o1, float* y, int64_t out, int64_t pf);
 
 GemvFn pick_gemv_avx2(KvType weight);
 GemvFn pick_gemv_avx512(KvType weight);

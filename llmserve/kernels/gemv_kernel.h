@@ -1,21 +1,29 @@
 // The GEMV kernel (gemv.h), written once over Vec (vec.h) and compiled once per ISA; included by
 // isa_avx2.cpp and isa_avx512.cpp inside their pragma region and anonymous namespace.
 // One output row at a time, read front to back: each thread's rows are one contiguous run of the
-// weight, a single sequential stream that the hardware prefetcher follows at the machine's full
-// read rate (several rows read side by side, or software prefetch, measured 15-20% slower). U
+// weight, a single sequential stream (several rows read side by side measured 15-20% slower). U
 // vectors of the row are taken per step, so the M * U accumulators are independent FMA chains.
+// pf > 0: each step also prefetches (into L1) the lines pf bytes ahead of what it reads. Whether
+// that pays depends on the machine: on an Intel Xeon (AVX2 variant) 2-4 KB ahead read ~15%
+// faster than the hardware prefetcher alone, while on a Zen 5 software prefetch was slower; the
+// plan measures it once per machine (llmserve.plan.measured_gemv_prefetch).
 
 // vectors per step for M input rows: M * U accumulators beside the U weight vectors
 template <int M>
 constexpr int kGemvU = M == 1 ? 4 : 2;
 
 template <typename T, int M>
-inline void gemv_row(const float* x, const T* wr, float b, int64_t in, float* y, int64_t out) {
+inline void gemv_row(const float* x, const T* wr, float b, int64_t in, float* y, int64_t out, int64_t pf) {
   constexpr int W = Vec::W, U = kGemvU<M>;
+  constexpr int kStepBytes = U * W * static_cast<int>(sizeof(T));
   Vec acc[M][U];
   LLMSERVE_UNROLL for (int m = 0; m < M; ++m) LLMSERVE_UNROLL for (int u = 0; u < U; ++u) acc[m][u] = vzero();
   int64_t i = 0;
   for (; i + U * W <= in; i += U * W) {
+    if (pf > 0) {
+      const char* ahead = reinterpret_cast<const char*>(wr + i) + pf;
+      LLMSERVE_UNROLL for (int l = 0; l < kStepBytes; l += 64) __builtin_prefetch(ahead + l, 0, 3);
+    }
     Vec wv[U];
     LLMSERVE_UNROLL for (int u = 0; u < U; ++u) wv[u] = vload(wr + i + u * W);
     LLMSERVE_UNROLL for (int m = 0; m < M; ++m)
@@ -36,19 +44,19 @@ inline void gemv_row(const float* x, const T* wr, float b, int64_t in, float* y,
 
 template <typename T, int M>
 void gemv_m(const float* x, const void* wv, const float* bias, int64_t in, int64_t o0, int64_t o1, float* y,
-            int64_t out) {
+            int64_t out, int64_t pf = 0) {
   const T* w = static_cast<const T*>(wv);
-  for (int64_t o = o0; o < o1; ++o) gemv_row<T, M>(x, w + o * in, bias ? bias[o] : 0.f, in, y + o, out);
+  for (int64_t o = o0; o < o1; ++o) gemv_row<T, M>(x, w + o * in, bias ? bias[o] : 0.f, in, y + o, out, pf);
 }
 
 template <typename T>
 void gemv(const float* x, int64_t m, const void* w, const float* bias, int64_t in, int64_t o0, int64_t o1, float* y,
-          int64_t out) {
+          int64_t out, int64_t pf) {
   switch (m) {
-    case 1: return gemv_m<T, 1>(x, w, bias, in, o0, o1, y, out);
-    case 2: return gemv_m<T, 2>(x, w, bias, in, o0, o1, y, out);
-    case 3: return gemv_m<T, 3>(x, w, bias, in, o0, o1, y, out);
-    default: return gemv_m<T, 4>(x, w, bias, in, o0, o1, y, out);
+    case 1: return gemv_m<T, 1>(x, w, bias, in, o0, o1, y, out, pf);
+    case 2: return gemv_m<T, 2>(x, w, bias, in, o0, o1, y, out, pf);
+    case 3: return gemv_m<T, 3>(x, w, bias, in, o0, o1, y, out, pf);
+    default: return gemv_m<T, 4>(x, w, bias, in, o0, o1, y, out, pf);
   }
 }
 
