@@ -16,9 +16,10 @@ Rules (`auto` everywhere):
 - compile: inductor where it measured faster (bf16 on native-bf16 CPUs, float32 on AVX2 and
   AVX-512), except for int8 layers (eager) and models too small for a compile to pay back.
 - linear: oneDNN-packed weights; where the native kernels run and a second copy costs at most
-  an eighth of the RAM, plain weights too, for steps of at most 4 rows (batch-1 decode), which
-  llmserve::gemv reads at close to the streaming bandwidth; its software prefetch distance (none,
-  or 1-8 KB ahead) is measured once per machine, ISA and dtype (cached beside the kernels).
+  an eighth of the RAM, plain weights too, for steps of few rows (batch-1 decode, small batches),
+  which llmserve::gemv reads at close to the streaming bandwidth. Its software prefetch distance
+  (none, or 1-8 KB ahead) and the most rows it takes (up to 16: as long as it beats oneDNN) are
+  measured once per machine, ISA and dtype (cached beside the kernels).
 - attention: the native kernels where they build, in the widest ISA variant the CPU runs
   (LLMSERVE_CPU_ISA=avx2|portable forces a narrower one); pure torch otherwise.
 - device: cuda when asked for (auto stays on the CPU until the CUDA path has run on a GPU).
@@ -50,7 +51,8 @@ ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "A
 GEMV_MEMORY_SHARE = 8  # a plain copy of the weights for batch-1 steps, where it costs at most 1/8 of the RAM
 MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
 GEMV_PREFETCH_BYTES = (0, 1024, 2048, 4096, 8192)  # the software prefetch distances measured
-GEMV_PROBE_BYTES = 256 << 20  # the weight they are measured over: more than most last-level caches hold
+GEMV_PROBE_BYTES = 512 << 20  # the most weight bytes they are measured over (a larger model is past any cache)
+GEMV_ROWS = (1, 4, 8, 12, 16)  # the step sizes where gemv is measured against oneDNN
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,7 @@ class ExecutionPlan:
     cpu_isa: Choice  # the native decode kernel's variant: avx512 | avx2 | portable (or none)
     linear_backend: Choice  # onednn-packed+gemv | onednn-packed | int8 | dense
     gemv_prefetch: Choice  # bytes llmserve::gemv prefetches ahead: 0 (none) | 1024 ... 8192
+    gemv_max_rows: Choice  # packed layers' steps of at most this many rows run llmserve::gemv: 0 ... 16
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -185,10 +188,11 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
     compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
     linear = _linear(config.quantize, dtype, attention, model_config)
-    prefetch = Choice("0", "no llmserve::gemv in this plan")
+    prefetch = rows = Choice("0", "no llmserve::gemv in this plan")
     if linear.value.endswith("+gemv"):
-        prefetch = measured_gemv_prefetch(isa.value, DTYPES[dtype.value])
-    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch)
+        prefetch = measured_gemv_prefetch(isa.value, DTYPES[dtype.value], model_config)
+        rows = measured_gemv_max_rows(isa.value, DTYPES[dtype.value], int(prefetch.value), model_config)
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch, rows)
 
 
 def _cpu_class(cpu: CpuInfo) -> Choice:
@@ -222,7 +226,7 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
                       "auto: eager; the compiled step graph and CUDA graphs have not run on a GPU yet")
     return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
                          Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"),
-                         Choice("0", "no llmserve::gemv on a GPU"))
+                         Choice("0", "no llmserve::gemv on a GPU"), Choice("0", "no llmserve::gemv on a GPU"))
 
 
 def _dtype(requested: str, cpu: CpuInfo) -> Choice:
@@ -291,7 +295,7 @@ def _compile(requested: str, dtype: Choice, cpu: CpuInfo, quantize: str | None, 
 
 
 def _linear(quantize: str | None, dtype: Choice, attention: Choice, model_config) -> Choice:
-    from llmserve.model.packed import GEMV_MAX_ROWS, packs_correctly
+    from llmserve.model.packed import packs_correctly
 
     if quantize == "int8":
         return Choice("int8", "--quantize int8: weight-only int8 with per-channel scales")
@@ -300,7 +304,7 @@ def _linear(quantize: str | None, dtype: Choice, attention: Choice, model_config
     extra = approx_params(model_config) * DTYPES[dtype.value].itemsize
     if attention.value == "native" and extra <= physical_memory() // GEMV_MEMORY_SHARE:
         return Choice("onednn-packed+gemv", f"weights reordered once for oneDNN (2-4x nn.Linear in float32), and kept "
-                                            f"plain too (+{extra / 2**20:.0f} MiB) for steps of <= {GEMV_MAX_ROWS} rows: "
+                                            f"plain too (+{extra / 2**20:.0f} MiB) for steps of few rows (gemv_max_rows): "
                                             "llmserve::gemv reads them nearer the streaming bandwidth")
     return Choice("onednn-packed", "weights reordered once for oneDNN (2-4x nn.Linear in float32)")
 
@@ -331,14 +335,31 @@ def measured_kv_cache_dtype(isa: str, model_config, num_seqs: int = 32, context:
                         f"bfloat16 ({num_seqs} x {context} tokens, {isa})")
 
 
-def measured_gemv_prefetch(isa: str, dtype: torch.dtype) -> Choice:
-    """llmserve::gemv's software prefetch distance (bytes; 0: none), the fastest over a weight
-    larger than most caches; measured once per (ISA, dtype, threads)."""
+def measured_gemv_prefetch(isa: str, dtype: torch.dtype, model_config) -> Choice:
+    """llmserve::gemv's software prefetch distance (bytes; 0: none), the fastest over weights of
+    the model's shapes; measured once per (ISA, dtype, threads, shapes)."""
     name = str(dtype).removeprefix("torch.")
-    ms = _measured(f"gemv_prefetch:{isa}:{name}:{torch.get_num_threads()}t", isa, lambda: _time_gemv(dtype))
+    key = f"gemv_prefetch:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}"
+    ms = _measured(key, isa, lambda: _time_gemv(dtype, model_config))
     best = min(ms, key=ms.get)
     figures = ", ".join(f"{k} B {v:.2f} ms" for k, v in sorted(ms.items(), key=lambda kv: int(kv[0])))
-    return Choice(best, f"auto: measured a batch-1 gemv over {GEMV_PROBE_BYTES >> 20} MiB of {name} weights ({isa}): {figures}")
+    return Choice(best, f"auto: measured a batch-1 gemv over the model's {name} linears ({isa}): {figures}")
+
+
+def measured_gemv_max_rows(isa: str, dtype: torch.dtype, prefetch: int, model_config) -> Choice:
+    """The most rows a step may have and still run llmserve::gemv: the longest run of the row
+    counts in GEMV_ROWS at which gemv beat oneDNN's packed linear over weights of the model's
+    shapes; measured once per (ISA, dtype, threads, shapes, prefetch)."""
+    name = str(dtype).removeprefix("torch.")
+    key = f"gemv_max_rows:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{prefetch}B"
+    ms = {k: round(v, 2) for k, v in _measured(key, isa, lambda: _time_gemv_rows(dtype, prefetch, model_config)).items()}
+    rows = 0
+    for m in GEMV_ROWS:
+        if ms[f"gemv@{m}"] > ms[f"onednn@{m}"]:
+            break
+        rows = m
+    figures = ", ".join(f"{m} rows {ms[f'gemv@{m}']:.2f} vs {ms[f'onednn@{m}']:.2f}" for m in GEMV_ROWS)
+    return Choice(str(rows), f"auto: measured gemv against oneDNN, ms over the model's {name} linears ({isa}): {figures}")
 
 
 def _measured(key: str, isa: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -365,27 +386,89 @@ def _measured(key: str, isa: str, measure: Callable[[], dict[str, float]]) -> di
     return cached[key]
 
 
-def _time_gemv(dtype: torch.dtype, rounds: int = 5) -> dict[str, float]:
-    """Median ms of one batch-1 gemv over GEMV_PROBE_BYTES of `dtype` weights [rows, 576] (a small
-    model's hidden size), per prefetch distance; the distances interleave round by round, so that
-    a shared machine's drift falls on all of them."""
+def _shapes_key(c) -> str:
+    return f"{c.hidden_size}x{c.intermediate_size}x{c.num_hidden_layers}"
+
+
+def _probe_weights(dtype: torch.dtype, c) -> list[torch.Tensor]:
+    """`dtype` weights of the model's decoder-layer linears ([out, in]: qkv, o, gate_up, down),
+    layer after layer up to the model's size or GEMV_PROBE_BYTES, whichever is less: the cache
+    regime (in the last-level cache, or not) is the model's own."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+             (c.hidden_size, c.intermediate_size)]
+    ws, nbytes = [], 0
+    for _ in range(c.num_hidden_layers):
+        for shape in layer:
+            ws.append(torch.full(shape, 0.01, dtype=dtype))
+            nbytes += ws[-1].numel() * dtype.itemsize
+        if nbytes >= GEMV_PROBE_BYTES:
+            break
+    return ws
+
+
+def _interleaved(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median ms of each fn, run round by round in turn, so that a shared machine's drift falls
+    on all of them."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        f()
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t) * 1000)
+    return {k: sorted(ts)[rounds // 2] for k, ts in times.items()}
+
+
+def _time_gemv(dtype: torch.dtype, model_config, rounds: int = 5) -> dict[str, float]:
+    """A batch-1 gemv over the probe weights, per prefetch distance."""
     from llmserve import kernels
 
-    w = torch.ones(GEMV_PROBE_BYTES // (576 * dtype.itemsize), 576, dtype=dtype)
-    x = torch.randn(1, 576)
-    times: dict[str, list[float]] = {str(d): [] for d in GEMV_PREFETCH_BYTES}
+    ws = _probe_weights(dtype, model_config)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in ws}
     before = kernels.gemv_prefetch()
+
+    def at(d: int) -> Callable[[], None]:
+        def run() -> None:
+            kernels.set_gemv_prefetch(d)
+            for w in ws:
+                torch.ops.llmserve.gemv(xs[w.shape[1]], w, None)
+        return run
+
     try:
-        torch.ops.llmserve.gemv(x, w, None)
-        for _ in range(rounds):
-            for d in GEMV_PREFETCH_BYTES:
-                kernels.set_gemv_prefetch(d)
-                t = time.perf_counter()
-                torch.ops.llmserve.gemv(x, w, None)
-                times[str(d)].append((time.perf_counter() - t) * 1000)
+        return _interleaved({str(d): at(d) for d in GEMV_PREFETCH_BYTES}, rounds)
     finally:
         kernels.set_gemv_prefetch(before)
-    return {d: sorted(ts)[rounds // 2] for d, ts in times.items()}
+
+
+def _time_gemv_rows(dtype: torch.dtype, prefetch: int, model_config, rounds: int = 5) -> dict[str, float]:
+    """gemv and oneDNN's packed linear over the probe weights, at each row count in GEMV_ROWS."""
+    from llmserve import kernels
+
+    ws = _probe_weights(dtype, model_config)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws]
+    xs = {(m, k): torch.randn(m, k).to(dtype) for m in GEMV_ROWS for k in {w.shape[1] for w in ws}}
+    before = kernels.gemv_prefetch()
+    kernels.set_gemv_prefetch(prefetch)
+
+    def gemv(m: int) -> Callable[[], None]:
+        def run() -> None:
+            for w in ws:
+                torch.ops.llmserve.gemv(xs[m, w.shape[1]], w, None)
+        return run
+
+    def onednn(m: int) -> Callable[[], None]:
+        def run() -> None:
+            for w, p in zip(ws, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(xs[m, w.shape[1]], p, None, "none", [], "")
+        return run
+
+    try:
+        with torch.inference_mode():
+            return _interleaved({f"{k}@{m}": f(m) for m in GEMV_ROWS for k, f in (("gemv", gemv), ("onednn", onednn))}, rounds)
+    finally:
+        kernels.set_gemv_prefetch(before)
 
 
 def _time_decode(kv_dtype: torch.dtype, c, num_seqs: int, context: int, reps: int = 5) -> float:

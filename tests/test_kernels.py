@@ -241,7 +241,7 @@ def test_gemv_equals_a_linear_layer(op, dtype, tol):
         for prefetch in (0, 64, 4096):
             kernels.set_gemv_prefetch(prefetch)
             assert kernels.gemv_prefetch() == prefetch
-            for rows in (1, 2, 3, 4):
+            for rows in (1, 2, 3, 4, 5, 11, 16):
                 for out, width in ((37, 100), (7, 120), (960, 576), (5, 8)):
                     x = torch.randn(rows, width, generator=g).to(dtype)
                     w = torch.randn(out, width, generator=g).to(dtype)
@@ -255,8 +255,8 @@ def test_gemv_equals_a_linear_layer(op, dtype, tol):
             kernels.set_gemv_prefetch(-1)
     finally:
         kernels.set_gemv_prefetch(before)
-    with pytest.raises(RuntimeError, match="at most 4 rows"):
-        torch.ops.llmserve.gemv(torch.ones(5, 8), torch.ones(3, 8), None)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        torch.ops.llmserve.gemv(torch.ones(17, 8), torch.ones(3, 8), None)
 
 
 def lora_reference(y, x, a, b, slots, out_slices):
@@ -298,8 +298,9 @@ def test_lora_add_equals_each_rows_own_delta(op, dtype, tol):
 
 
 def test_packed_linear_takes_gemv_for_few_rows(op):
-    """A layer packed with its plain weight kept: 1-4 rows run llmserve::gemv and more rows the
-    packed oneDNN path, eager and through the native op, all equal to F.linear."""
+    """A layer packed with its plain weight kept: steps of at most gemv_max_rows rows run
+    llmserve::gemv and more rows the packed oneDNN path, eager and through the native op, all
+    equal to F.linear, and up to the limit bit-equal to llmserve::gemv itself."""
     from llmserve.model.packed import PackedLinear
 
     g = torch.Generator().manual_seed(7)
@@ -307,12 +308,22 @@ def test_packed_linear_takes_gemv_for_few_rows(op):
     with torch.no_grad():
         dense.weight.copy_(torch.randn(40, 64, generator=g))
     layer = PackedLinear(dense, native=True, gemv=True)
-    for rows in (1, 4, 5, 32):
-        x = torch.randn(rows, 64, generator=g)
-        want = torch.nn.functional.linear(x, dense.weight, dense.bias)
-        with torch.inference_mode():
-            for got in (layer(x), torch.ops.llmserve.onednn_linear(x, layer.handle)):
-                assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), rows
+    before = kernels.gemv_max_rows()
+    try:
+        for limit in (4, 12):
+            kernels.set_gemv_max_rows(limit)
+            for rows in (1, 4, 5, 12, 13, 32):
+                x = torch.randn(rows, 64, generator=g)
+                want = torch.nn.functional.linear(x, dense.weight, dense.bias)
+                with torch.inference_mode():
+                    for got in (layer(x), torch.ops.llmserve.onednn_linear(x, layer.handle)):
+                        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (limit, rows)
+                    if rows <= limit:
+                        assert torch.equal(layer(x), torch.ops.llmserve.gemv(x, dense.weight, dense.bias)), (limit, rows)
+        with pytest.raises(RuntimeError, match="0 to 16 rows"):
+            kernels.set_gemv_max_rows(17)
+    finally:
+        kernels.set_gemv_max_rows(before)
 
 
 def mixed_step(dtype, seed: int = 4):

@@ -19,6 +19,7 @@ from llmserve.model.compile import CompileUnavailableError
 from llmserve.model.config import ModelConfig
 from llmserve.plan import (
     GEMV_PREFETCH_BYTES,
+    GEMV_ROWS,
     CpuInfo,
     DeviceUnavailableError,
     GpuInfo,
@@ -81,8 +82,22 @@ def test_gemv_prefetch_is_the_distance_measured_fastest_and_kept():
     figures = dict(re.findall(r"(\d+) B ([\d.]+) ms", first.gemv_prefetch.reason))
     assert set(figures) == {str(d) for d in GEMV_PREFETCH_BYTES}
     assert float(figures[first.gemv_prefetch.value]) == min(map(float, figures.values()))
-    assert plan(AVX2_ONLY, kernels_ok=True).gemv_prefetch == first.gemv_prefetch
-    assert plan(AVX2_ONLY, kernels_ok=False).gemv_prefetch.value == "0"
+    again = plan(AVX2_ONLY, kernels_ok=True)
+    assert (again.gemv_prefetch, again.gemv_max_rows) == (first.gemv_prefetch, first.gemv_max_rows)
+    without = plan(AVX2_ONLY, kernels_ok=False)
+    assert without.gemv_prefetch.value == without.gemv_max_rows.value == "0"
+
+
+@pytest.mark.skipif(not kernels.load(), reason="no native kernels (no C++ compiler)")
+def test_gemv_max_rows_is_the_last_row_count_where_gemv_beat_onednn():
+    """Row counts are measured in order; the limit is the last one up to which gemv was never
+    slower than oneDNN (the figures are in the reason)."""
+    p = plan(AVX2_ONLY, kernels_ok=True)
+    figures = {int(m): (float(g), float(o)) for m, g, o in re.findall(r"(\d+) rows ([\d.]+) vs ([\d.]+)", p.gemv_max_rows.reason)}
+    assert sorted(figures) == list(GEMV_ROWS)
+    wins = [m for m in GEMV_ROWS if figures[m][0] <= figures[m][1]]
+    limit = next((GEMV_ROWS[i - 1] if i else 0 for i, m in enumerate(GEMV_ROWS) if m not in wins), GEMV_ROWS[-1])
+    assert p.gemv_max_rows.value == str(limit)
 
 
 def test_explicit_bfloat16_without_native_support_runs_with_one_warning(caplog):

@@ -111,6 +111,7 @@ class ModelRunner:
         if plan.native:
             kernels.select_isa(plan.cpu_isa.value)
             kernels.set_gemv_prefetch(int(plan.gemv_prefetch.value))
+            kernels.set_gemv_max_rows(int(plan.gemv_max_rows.value))
         self.model.use_native_attention(plan.native)
         self.model.use_native_lora(plan.native)
         linear = plan.linear_backend.value

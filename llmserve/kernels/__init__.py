@@ -110,6 +110,15 @@ def gemv_prefetch() -> int:
     return torch.ops.llmserve.gemv_prefetch()
 
 
+def set_gemv_max_rows(rows: int) -> None:
+    """Packed layers with a plain weight run steps of at most `rows` rows through llmserve::gemv."""
+    torch.ops.llmserve.set_gemv_max_rows(rows)
+
+
+def gemv_max_rows() -> int:
+    return torch.ops.llmserve.gemv_max_rows()
+
+
 def _register_fake() -> None:
     """Shape-only implementation, so torch.compile can trace through the op."""
 

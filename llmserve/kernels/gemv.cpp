@@ -1,4 +1,4 @@
-// llmserve::gemv(x [M, in], w [out, in], bias [out]?) -> [M, out]: a linear layer for M <= 4 rows
+// llmserve::gemv(x [M, in], w [out, in], bias [out]?) -> [M, out]: a linear layer for M <= 16 rows
 // over a plain weight (float32 or bfloat16), bound by reading the weight once. Output rows are
 // split across threads in contiguous runs; each runs the ISA variant (gemv.h) or the portable loop.
 // Batch-1 decode steps take it (model/packed.py keeps a plain copy of each weight for them): on an
@@ -57,9 +57,21 @@ void set_gemv_prefetch(int64_t bytes) {
 
 int64_t gemv_prefetch() { return prefetch_bytes.load(); }
 
+std::atomic<int64_t> max_rows{4};  // packed layers' steps of at most this many rows take gemv
+
+void set_gemv_max_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= llmserve::kGemvMaxRows, "set_gemv_max_rows: 0 to ", llmserve::kGemvMaxRows,
+              " rows, not ", rows);
+  max_rows.store(rows);
+}
+
+int64_t gemv_max_rows() { return max_rows.load(); }
+
 }  // namespace
 
 namespace llmserve {
+
+int64_t gemv_row_limit() { return max_rows.load(std::memory_order_relaxed); }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, in] and w [out, in]");
@@ -90,6 +102,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("set_gemv_prefetch(int bytes) -> ()");
   m.def("gemv_prefetch() -> int");
+  m.def("set_gemv_max_rows(int rows) -> ()");
+  m.def("gemv_max_rows() -> int");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("gemv", &llmserve::gemv); }
@@ -97,4 +111,6 @@ TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("gemv", &llmserve::gemv); }
 TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
   m.impl("set_gemv_prefetch", &set_gemv_prefetch);
   m.impl("gemv_prefetch", &gemv_prefetch);
+  m.impl("set_gemv_max_rows", &set_gemv_max_rows);
+  m.impl("gemv_max_rows", &gemv_max_rows);
 }

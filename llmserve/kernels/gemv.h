@@ -1,6 +1,8 @@
 // The contract between the GEMV glue (gemv.cpp) and its ISA variants (isa_avx2.cpp,
-// isa_avx512.cpp): a linear layer for steps of at most kGemvMaxRows rows (batch-1 decode), which
-// is bound by reading the weights once, over a plain [out, in] weight.
+// isa_avx512.cpp): a linear layer for steps of few rows (batch-1 decode and small batches), which
+// is bound by reading the weights once, over a plain [out, in] weight. It takes up to
+// kGemvMaxRows rows; packed layers send it steps of at most gemv_row_limit() rows (the plan
+// measures where it stops beating oneDNN on this machine).
 //   y[m, o] = sum_i x[m, i] * w[o, i] + bias[o]   for rows o in [o0, o1), m < M
 // x: [M, in] fp32; w: [out, in] float or bf16 bits; bias: [out] fp32 or nullptr; y: [M, out] fp32;
 // pf: software prefetch distance in bytes (0: none; see gemv_kernel.h).
@@ -13,7 +15,8 @@
 
 namespace llmserve {
 
-constexpr int64_t kGemvMaxRows = 4;
+constexpr int64_t kGemvMaxRows = 16;
+int64_t gemv_row_limit();  // set_gemv_max_rows (gemv.cpp)
 
 using GemvFn = void (*)(const float* x, int64_t m, const void* w, const float* bias, int64_t in, int64_t o0,
                         int64_t o1, float* y, int64_t out, int64_t pf);

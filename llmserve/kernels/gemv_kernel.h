@@ -50,13 +50,28 @@ void gemv_m(const float* x, const void* wv, const float* bias, int64_t in, int64
 }
 
 template <typename T>
-void gemv(const float* x, int64_t m, const void* w, const float* bias, int64_t in, int64_t o0, int64_t o1, float* y,
+void gemv(const float* x, int64_t m, const void* wv, const float* bias, int64_t in, int64_t o0, int64_t o1, float* y,
           int64_t out, int64_t pf) {
   switch (m) {
-    case 1: return gemv_m<T, 1>(x, w, bias, in, o0, o1, y, out, pf);
-    case 2: return gemv_m<T, 2>(x, w, bias, in, o0, o1, y, out, pf);
-    case 3: return gemv_m<T, 3>(x, w, bias, in, o0, o1, y, out, pf);
-    default: return gemv_m<T, 4>(x, w, bias, in, o0, o1, y, out, pf);
+    case 1: return gemv_m<T, 1>(x, wv, bias, in, o0, o1, y, out, pf);
+    case 2: return gemv_m<T, 2>(x, wv, bias, in, o0, o1, y, out, pf);
+    case 3: return gemv_m<T, 3>(x, wv, bias, in, o0, o1, y, out, pf);
+    case 4: return gemv_m<T, 4>(x, wv, bias, in, o0, o1, y, out, pf);
+    default: break;
+  }
+  // more than 4 rows: per weight row, groups of 4 input rows; the first group reads the row from
+  // memory, the others from L1
+  const T* w = static_cast<const T*>(wv);
+  for (int64_t o = o0; o < o1; ++o) {
+    const float b = bias ? bias[o] : 0.f;
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_row<T, 4>(x + r * in, w + o * in, b, in, y + r * out + o, out, r == 0 ? pf : 0);
+    switch (m - r) {
+      case 1: gemv_row<T, 1>(x + r * in, w + o * in, b, in, y + r * out + o, out, 0); break;
+      case 2: gemv_row<T, 2>(x + r * in, w + o * in, b, in, y + r * out + o, out, 0); break;
+      case 3: gemv_row<T, 3>(x + r * in, w + o * in, b, in, y + r * out + o, out, 0); break;
+      default: break;
+    }
   }
 }
 

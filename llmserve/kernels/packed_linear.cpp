@@ -4,8 +4,8 @@
 // The packed weights live in a process-wide table keyed by an int handle (llmserve.model.packed
 // registers each one, and releases it when its module goes), so a graph holds a handle, never the
 // opaque weight itself. onednn_linear(x [T, in], handle) -> [T, out] runs
-// mkldnn::_linear_pointwise(x, weight, bias, "none", [], ""), as the eager path does, or, for at
-// most kGemvMaxRows rows of a layer registered with its plain weight, llmserve::gemv.
+// mkldnn::_linear_pointwise(x, weight, bias, "none", [], ""), or, for at most gemv_row_limit()
+// rows of a layer registered with its plain weight, llmserve::gemv.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -26,7 +26,7 @@ namespace {
 struct Packed {
   at::Tensor weight;  // opaque oneDNN layout
   std::optional<at::Tensor> bias;
-  std::optional<at::Tensor> plain;  // [out, in], for steps of at most kGemvMaxRows rows (gemv.cpp)
+  std::optional<at::Tensor> plain;  // [out, in], for steps of at most gemv_row_limit() rows (gemv.cpp)
 };
 
 std::mutex table_mutex;
@@ -51,7 +51,7 @@ at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
     TORCH_CHECK(it != table.end(), "onednn_linear: no packed weight has handle ", handle);
     p = it->second;
   }
-  if (p.plain && x.dim() == 2 && x.size(0) <= llmserve::kGemvMaxRows) return llmserve::gemv(x, *p.plain, p.bias);
+  if (p.plain && x.dim() == 2 && x.size(0) <= llmserve::gemv_row_limit()) return llmserve::gemv(x, *p.plain, p.bias);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
   stack.reserve(6);

@@ -31,17 +31,16 @@ from llmserve.model.quantize import linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
-GEMV_MAX_ROWS = 4  # steps of at most this many rows take llmserve::gemv where a layer keeps a plain weight
 # handle -> (packed weight, bias, plain weight [out, in] or None)
 _PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 _HANDLES = itertools.count()
 
 
 class PackedLinear(nn.Module):
-    """native: compiled graphs call llmserve::onednn_linear (the native kernels are loaded).
-    gemv (native only): also keep the plain weight, and run steps of at most GEMV_MAX_ROWS rows
-    through llmserve::gemv, which reads it once at close to the machine's streaming bandwidth
-    (oneDNN's packed path reads it about a third slower at batch 1)."""
+    """native: every step calls llmserve::onednn_linear (the native kernels are loaded), eager or
+    compiled. gemv (native only): also keep the plain weight, and run steps of few rows (at most
+    the plan's gemv_max_rows) through llmserve::gemv, which reads it once at close to the
+    machine's streaming bandwidth (oneDNN's packed path reads it about a third slower at batch 1)."""
 
     def __init__(self, linear: nn.Linear, native: bool = False, gemv: bool = False):
         super().__init__()
@@ -58,9 +57,10 @@ class PackedLinear(nn.Module):
         weakref.finalize(self, _release, self.handle, native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        if self.native:
+            return torch.ops.llmserve.onednn_linear(x, self.handle)
         if torch.compiler.is_compiling():
-            op = torch.ops.llmserve.onednn_linear if self.native else torch.ops.llmserve.packed_linear
-            return op(x, self.handle)
+            return torch.ops.llmserve.packed_linear(x, self.handle)
         return packed_linear(x, self.handle)
 
 
@@ -76,9 +76,8 @@ def _release(handle: int, native: bool) -> None:
 
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    weight, bias, plain = _PACKED[handle]
-    if plain is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-        return torch.ops.llmserve.gemv(x, plain, bias)
+    """A layer packed without the native kernels (no plain weight, no gemv)."""
+    weight, bias, _ = _PACKED[handle]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
