@@ -95,8 +95,9 @@ class RayConfig:
 
     ray: bool = _opt(False, "serve on Ray Serve: one ingress, engine replicas behind it (pip install 'llmserve[ray]')")
     ray_address: str | None = _opt(None, "Ray cluster to join (default: $RAY_ADDRESS, else a local Ray instance for this command)")
-    ray_dashboard_port: int = _opt(8265, "the local Ray instance's dashboard, on 127.0.0.1 (with ray[default] installed; "
-                                   "`ray list actors` needs it); 0: none")
+    ray_dashboard_port: int | None = _opt(None, "the local Ray instance's dashboard, on 127.0.0.1 (with ray[default] "
+                                          "installed; `ray list actors` needs it); default: Ray's 8265, or the next "
+                                          "free port; 0: none")
     num_replicas: int = _opt(1, "engine replicas (--ray)")
     min_replicas: int | None = _opt(None, "autoscale engine replicas from this many (--ray; with --max-replicas)")
     max_replicas: int | None = _opt(None, "autoscale engine replicas up to this many on ongoing requests (--ray)")

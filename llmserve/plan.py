@@ -339,7 +339,7 @@ def measured_gemv_prefetch(isa: str, dtype: torch.dtype, model_config) -> Choice
     """llmserve::gemv's software prefetch distance (bytes; 0: none), the fastest over weights of
     the model's shapes; measured once per (ISA, dtype, threads, shapes)."""
     name = str(dtype).removeprefix("torch.")
-    key = f"gemv_prefetch:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}"
+    key = f"gemv_prefetch:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{GEMV_PREFETCH_BYTES}"
     ms = _measured(key, isa, lambda: _time_gemv(dtype, model_config))
     best = min(ms, key=ms.get)
     figures = ", ".join(f"{k} B {v:.2f} ms" for k, v in sorted(ms.items(), key=lambda kv: int(kv[0])))
@@ -351,7 +351,7 @@ def measured_gemv_max_rows(isa: str, dtype: torch.dtype, prefetch: int, model_co
     counts in GEMV_ROWS at which gemv beat oneDNN's packed linear over weights of the model's
     shapes; measured once per (ISA, dtype, threads, shapes, prefetch)."""
     name = str(dtype).removeprefix("torch.")
-    key = f"gemv_max_rows:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{prefetch}B"
+    key = f"gemv_max_rows:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{prefetch}B:{GEMV_ROWS}"
     ms = {k: round(v, 2) for k, v in _measured(key, isa, lambda: _time_gemv_rows(dtype, prefetch, model_config)).items()}
     rows = 0
     for m in GEMV_ROWS:

@@ -82,7 +82,11 @@ def test_record_round_trips_exactly():
 
 def _sealed(body: object) -> bytes:
     """A value with a valid CRC around `body` (msgpack of any object): what only the schema can refuse."""
-    raw = msgspec.msgpack.encode(body)
+    return _sealed_bytes(msgspec.msgpack.encode(body))
+
+
+def _sealed_bytes(raw: bytes) -> bytes:
+    """A valid CRC around a body given as raw bytes (not necessarily msgpack)."""
     return msgspec.msgpack.encode([zlib.crc32(raw), raw])
 
 
@@ -104,7 +108,7 @@ class OlderRecord(records.Record, tag="response/1"):  # the same fields, another
         lambda raw: b"\x80\x04\x95pickle",  # not ours
         lambda raw: records.encode(OlderRecord(KEY, record().choices)),
         lambda raw: records.encode(record("llmserve:resp:other")),
-        lambda raw: _sealed(b"\xc1"),  # the body is not msgpack
+        lambda raw: _sealed_bytes(b"\xc1"),  # the body is not msgpack
         lambda raw: records.encode(ResponseRecord(KEY, [])),  # no choice
         lambda raw: _sealed(["response/2", KEY, [_choice(["5"])]]),
         lambda raw: _sealed(["response/2", KEY, [_choice([5], "abort")]]),
@@ -112,7 +116,7 @@ class OlderRecord(records.Record, tag="response/1"):  # the same fields, another
         lambda raw: _sealed(["response/2", KEY, [_choice([True])]]),
         lambda raw: _sealed(["response/2", KEY]),  # a missing field
         lambda raw: _sealed(["response/2", KEY, [[[], "stop", None, 0, None]]]),  # a choice without steps
-        lambda raw: _sealed(b"\x91" * 100_000),  # nested past any sane depth
+        lambda raw: _sealed_bytes(b"\x91" * 100_000 + b"\xc0"),  # arrays nested past any sane depth
     ],
 )
 def test_bad_values_are_refused(mangle):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
+import dataclasses
 import json
 import os
 import signal
@@ -20,7 +21,13 @@ import httpx
 import pytest
 from server_harness import live_server, server_process, sse_data, wait_for
 
-from llmserve.engine.client import EngineClient, EngineCoreRequest, InFlight, RequestOutput
+from llmserve.engine.client import (
+    EngineClient,
+    EngineCoreRequest,
+    EngineStats,
+    InFlight,
+    RequestOutput,
+)
 from llmserve.errors import EngineOverloadedError, InvalidRequestError
 from llmserve.sampling import SamplingParams
 
@@ -189,6 +196,10 @@ def test_the_queue_depth_is_counted_once_in_the_front_end():
     assert (requests.num_waiting, requests.waiting_tokens, len(requests)) == (1, 4, 2)
     requests.admit(make("c", 1), got.append)
     assert requests.forget("b") and not requests.forget("b")
+    # the stats report what is in flight and not running: c, whether it waits or is preempted
+    assert requests.stats(EngineStats.idle()).num_waiting == 2
+    assert requests.stats(dataclasses.replace(EngineStats.idle(), num_running=1)).num_waiting == 1
     requests.deliver(RequestOutput("a", [8], "y", [], True, "length", None, 6, 2, 0, 0.0))
     assert (requests.num_waiting, requests.waiting_tokens, len(requests)) == (1, 1, 1)
+    assert requests.stats(dataclasses.replace(EngineStats.idle(), num_running=3)).num_waiting == 0
     assert [o.new_text for o in got] == ["x", "y"]

@@ -62,3 +62,26 @@ def test_a_timed_out_fetch_leaves_no_stale_reply_behind(store, redis_server):
     store.breaker.open_until = 0.0  # skip the cooldown instead of sleeping through it
     got = store.fetch(hs[3:])  # the same pooled connection would read the paused fetch's replies
     assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, kvs[3:], strict=True))
+
+
+def test_a_fetch_cut_short_leaves_no_reply_behind_and_a_load_lands_in_its_blocks(store):
+    """A fetch that stops at a missing block while later MGETs are in flight (one block each)
+    hands back no connection with replies pending: the next fetch reads its own blocks. The
+    connector copies each run as it arrives into the blocks reserved for it, in order."""
+    hs, kvs = hashes(10, "cut"), blocks(10, seed=3)
+    put_all(store, hs[:2] + hs[3:], kvs[:2] + kvs[3:])  # block 2 is missing; 3.. follow it
+    assert len(store.fetch(hs)) == 2
+    got = store.fetch(hs[3:])
+    assert len(got) == 7 and all(torch.equal(a, b) for a, b in zip(got, kvs[3:], strict=True))
+    layers, num_blocks = SHAPE[0], 16
+    caches = [torch.zeros(2, num_blocks, *SHAPE[2:]) for _ in range(layers)]
+    connector = kv_store.KVConnector(store, caches)
+    try:
+        ids = [9, 4, 12, 1, 7, 3, 15]  # reserved blocks come in any order
+        assert connector._load(hs[3:], ids) == 7
+        for kv, block_id in zip(kvs[3:], ids, strict=True):
+            assert all(torch.equal(caches[layer][:, block_id], kv[layer]) for layer in range(layers))
+        untouched = sorted(set(range(num_blocks)) - set(ids))
+        assert all(not caches[layer][:, untouched].any() for layer in range(layers))
+    finally:
+        connector.close()

@@ -1,5 +1,5 @@
 """ServerMetrics driven by a real LLMEngine on the tiny model (the outputs, stats and step times a
-StepOutputs carries), read back through the text format."""
+StepEvent carries), read back through the text format."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def loaded(request, model_factory):
 
 
 WAYS = [  # (linear layers, attention)
-    ("packed+gemv", "native"),  # the engine's default: oneDNN-packed, plain weights for <= 4 rows
+    ("packed+gemv", "native"),  # the engine's default: oneDNN-packed, plain weights for few rows
     ("packed", "native"),
     ("packed", "torch"),
     ("plain", "native"),
@@ -84,7 +84,7 @@ WAYS = [  # (linear layers, attention)
 @pytest.fixture(scope="module", params=WAYS, ids=["/".join(w) for w in WAYS])
 def pair(request, loaded):
     """Every check runs five ways: oneDNN-packed linear layers, the same with plain weights for
-    steps of <= 4 rows (llmserve::gemv, one of the native kernels), or nn.Linear, with the native
+    steps of few rows (llmserve::gemv, one of the native kernels), or nn.Linear, with the native
     decode-attention kernel or the pure-torch path."""
     linear, attention = request.param
     if attention == "native" and not kernels.load():

@@ -142,6 +142,10 @@ def test_the_engine_logs_its_plan_once_at_start_up(tiny_model, caplog):
     assert len(blocks) == 1 and blocks[0] == llm.engine.plan.describe()
     assert llm.engine.runner.kv_caches[0].dtype == llm.engine.plan.kv_torch_dtype
     assert llm.engine.plan.dtype.value == "float32"
+    plan_ = llm.engine.plan
+    if plan_.native:  # the kernels run as the plan says
+        assert kernels.selected_isa() == plan_.cpu_isa.value
+        assert (kernels.gemv_prefetch(), kernels.gemv_max_rows()) == (int(plan_.gemv_prefetch.value), int(plan_.gemv_max_rows.value))
 
 
 def test_a_onednn_isa_cap_below_bf16_means_no_native_bf16():

@@ -163,6 +163,30 @@ def test_a_store_of_size_zero_keeps_nothing():
     assert asyncio.run(store.get("resp_1")) is None
 
 
+def test_a_stored_value_that_is_not_json_is_absent_not_a_500():
+    """A sealed record of the right kind whose fields hold what msgpack carries and JSON does not
+    (bytes, extension types, integer keys) is treated as absent; a JSON one round-trips."""
+    import asyncio
+    import zlib
+
+    import msgspec
+
+    from llmserve.cache import records
+    from llmserve.server.response_store import KEY_PREFIX, ResponseStore, StoredResponse
+
+    store = ResponseStore(ttl_s=60, max_entries=8, max_bytes=1 << 20)
+    good = StoredResponse({"id": "resp_ok", "output": [{"n": 1.5, "ok": True, "x": None}]}, [{"role": "user"}])
+    assert asyncio.run(store.put("resp_ok", good)) and asyncio.run(store.get("resp_ok")) == good
+
+    def sealed(fields: list) -> bytes:
+        body = msgspec.msgpack.encode(["stored-response/2", *fields])
+        return msgspec.msgpack.encode(records.Sealed(zlib.crc32(body), memoryview(body)))
+
+    for bad in ([{"id": b"bytes"}, []], [{"id": "r", "m": {1: 2}}, []], [{"id": "r"}, [{"e": msgspec.msgpack.Ext(5, b"x")}]]):
+        store.local.set(KEY_PREFIX + "resp_bad", sealed(bad), 60)  # type: ignore[union-attr]
+        assert asyncio.run(store.get("resp_bad")) is None, bad
+
+
 def test_responses_are_stored_in_redis(tiny_model, redis_server):
     with live_server(tiny_model, redis_url=redis_server.url, redis_timeout=1.0, response_cache_ttl=600) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)

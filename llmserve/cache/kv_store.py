@@ -16,11 +16,13 @@ MGETs of a 64-block float32 prefix (47 MB) at once held its first byte back 30-5
 to build one ~2 MB reply, and the whole fetch still costs a single round trip of latency plus
 transfer time. Fetches run off the step loop (KVConnector, below), within a budget sized by
 their bytes (LOAD_LATENCY_S plus the bytes at LOAD_MIN_RATE). Any Redis error or a fetch past its
-budget counts as a miss and trips the circuit breaker.
+budget ends the load there (the blocks copied so far stay loaded; the rest is computed) and trips
+the circuit breaker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -136,12 +138,13 @@ class RedisKVStore:
         if not hashes or not self.breaker.allow():
             return
         try:
-            for raws in self._mget_stream([self.key(h) for h in hashes]):
-                run = self._decode_run(raws)
-                if run:
-                    yield run
-                if len(run) < len(raws):
-                    break  # a missing or bad block: what follows it is of no use
+            with contextlib.closing(self._mget_stream([self.key(h) for h in hashes])) as replies:
+                for raws in replies:
+                    run = self._decode_run(raws)
+                    if run:
+                        yield run
+                    if len(run) < len(raws):
+                        break  # a missing or bad block: what follows it is of no use
             self.breaker.success()
         except Exception as e:  # redis-py raises many kinds (timeouts, connection, protocol)
             self._error(e)
@@ -158,15 +161,16 @@ class RedisKVStore:
         return run
 
     def _mget_stream(self, keys: list[str]) -> Iterator[list[bytes | None]]:
-        """Each MGET's reply, in order; a generator closed early disconnects its connection (the
-        replies still in flight must never reach another fetch)."""
+        """Each MGET's reply, in order; closed early with replies still in flight, it disconnects
+        its connection (they must never reach another fetch). The budget counts the time spent
+        waiting on Redis, not the caller's between replies."""
         per = max(1, FETCH_BYTES // self.block_bytes)
         groups = [keys[i : i + per] for i in range(0, len(keys), per)]
         deadline = time.monotonic() + self.budget_s(len(keys) * self.block_bytes)
         pool = self.client.connection_pool
         conn = pool.get_connection()
+        sent = read = 0
         try:
-            sent = 0
             for i in range(len(groups)):
                 while sent < min(len(groups), i + WINDOW):
                     conn.send_command("MGET", *groups[sent], check_health=False)  # no PING amid replies
@@ -174,11 +178,18 @@ class RedisKVStore:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the fetch of {len(keys)} blocks ran past its budget")
                 reply = conn.read_response()
+                read += 1
                 if not isinstance(reply, list) or len(reply) != len(groups[i]):
                     raise ValueError(f"MGET of {len(groups[i])} keys answered with {type(reply).__name__}")
+                away = time.monotonic()
                 yield reply
-        except BaseException:  # GeneratorExit included
-            conn.disconnect()  # replies may still be in flight: never hand this socket back as is
+                deadline += time.monotonic() - away
+        except GeneratorExit:  # the caller stopped early
+            if read < sent:
+                conn.disconnect()  # replies still in flight: never hand this socket back as is
+            raise
+        except BaseException:
+            conn.disconnect()  # a reply may be half read
             raise
         finally:
             pool.release(conn)
@@ -297,7 +308,7 @@ class KVConnector:
 def _loaded(f: Future[int]) -> int:
     if f.cancelled():
         return 0
-    if f.exception() is not None:  # fetch() turns Redis errors into misses: this is a bug, not a miss
+    if f.exception() is not None:  # fetch_runs() turns Redis errors into misses: this is a bug, not a miss
         logger.error("KV connector: a load failed: %r", f.exception())
         return 0
     return f.result()

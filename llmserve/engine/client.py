@@ -91,7 +91,8 @@ class EngineClient(Protocol):
 class InFlight:
     """The front end's requests in flight, counted once (both doors use it): each one's sink, and
     those still without a first output (queued, loading or in prefill) with their prompt tokens,
-    which the 429 limits bound."""
+    which the 429 limits bound. The waiting count the stats report is what is in flight and not
+    running in the engine (on its way, queued, loading its prefix, or preempted): waiting(running)."""
 
     def __init__(self, max_waiting: int, max_waiting_tokens: int | None):
         self.max_waiting, self.max_waiting_tokens = max_waiting, max_waiting_tokens
@@ -104,7 +105,12 @@ class InFlight:
 
     @property
     def num_waiting(self) -> int:
+        """Requests without a first output yet (the 429 limits count these)."""
         return len(self.waiting)
+
+    def stats(self, engine: EngineStats) -> EngineStats:
+        """`engine`'s stats with num_waiting = in flight and not among its num_running."""
+        return dataclasses.replace(engine, num_waiting=max(0, len(self.sinks) - engine.num_running))
 
     def admit(self, req: EngineCoreRequest, sink: Sink) -> None:
         """Register `req`, or raise EngineOverloadedError (429) when too many requests or prompt
@@ -149,8 +155,12 @@ class StepListeners(list[StepListener]):
         return lambda: self.remove(listener)
 
     def emit(self, event: StepEvent) -> None:
+        """Each listener in turn; one that fails is logged and never stops the outputs' delivery."""
         for listener in self:
-            listener(event)
+            try:
+                listener(event)
+            except Exception:
+                logger.exception("a step listener failed")
 
 
 class EngineCoreClient:
@@ -160,8 +170,9 @@ class EngineCoreClient:
         self.config = config  # what the core was started with
         self.info = info
         self.requests = InFlight(max_waiting, max_waiting_tokens)
-        self.listeners = StepListeners()  # run on the loop, per step
+        self.listeners = StepListeners()  # run on the loop, per step and per request added or aborted
         self.error: EngineDeadError | None = None
+        self._engine_stats = EngineStats.idle(info.num_kv_blocks)  # the core's, as of its last step
         self._calls = itertools.count()
         self._stats_calls: dict[int, asyncio.Future[EngineStats]] = {}
         self._writer: asyncio.WriteTransport | None = None
@@ -235,11 +246,14 @@ class EngineCoreClient:
             raise EngineDeadError("the server is shutting down")
         self.requests.admit(req, sink)
         self._send(AddRequest(req))
+        self._emit([])
 
     def abort_request(self, request_id: str) -> None:
         """The caller has gone: forget its sink and free the request's blocks in the core."""
-        if self.requests.forget(request_id) and self.alive:
-            self._send(AbortRequests([request_id]))
+        if self.requests.forget(request_id):
+            if self.alive:
+                self._send(AbortRequests([request_id]))
+            self._emit([])
 
     def abort_all(self) -> int:
         """Abort everything in flight; each sink still gets its final ("abort") output."""
@@ -265,10 +279,14 @@ class EngineCoreClient:
             stats = await asyncio.wait_for(future, STATS_TIMEOUT_S)
         finally:
             self._stats_calls.pop(call_id, None)
-        return dataclasses.replace(stats, num_waiting=self.requests.num_waiting)
+        return self.requests.stats(stats)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         return {}  # one engine
+
+    def _emit(self, outputs: list[RequestOutput], durations: list[float] | None = None,
+              stages: list[float] | None = None) -> None:
+        self.listeners.emit(StepEvent(outputs, self.requests.stats(self._engine_stats), durations or [], stages or []))
 
     def _send(self, msg: object) -> None:
         assert self._writer is not None, "EngineCoreClient.start() has not run"
@@ -292,8 +310,8 @@ class EngineCoreClient:
             self.requests.fail(rid, InvalidRequestError(message))
         for o in step.outputs:
             self.requests.deliver(o)
-        stats = dataclasses.replace(step.stats, num_waiting=self.requests.num_waiting)
-        self.listeners.emit(StepEvent(step.outputs, stats, step.step_durations, step.stage_seconds))
+        self._engine_stats = step.stats
+        self._emit(step.outputs, step.step_durations, step.stage_seconds)
 
     def _on_core_gone(self) -> None:
         """The pipe from the core closed: at shutdown, expected; otherwise the core died."""

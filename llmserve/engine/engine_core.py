@@ -1,6 +1,7 @@
 """EngineCore: the engine core in its own process (`python -m llmserve.engine.engine_core IN_FD
-OUT_FD`), started by EngineCoreClient.launch; its loop steps an LLMEngine (engine/llm_engine.py). It owns the scheduler, block manager, model runner and Redis KV
-tier, and never shares an interpreter lock with the HTTP server.
+OUT_FD`), started by EngineCoreClient.launch; its loop steps an LLMEngine (engine/llm_engine.py).
+It owns the scheduler, block manager, model runner and Redis KV tier, and never shares an
+interpreter lock with the HTTP server.
 
 Loop: take in every message that has arrived (waiting only when idle) -> one engine step ->
 one StepOutputs with every request's new tokens. It exits on Shutdown, or when the server's

@@ -7,11 +7,12 @@ shapes, packed weights are 2-4x faster in float32 and 1.1-1.5x in bfloat16 (scri
 shows the end-to-end effect). Packing is checked against F.linear on a probe input at start-up
 and skipped, with a log line, where this torch build or CPU cannot do it.
 
-Compiled graphs call the same packed weights through llmserve::onednn_linear(x, handle), a native
-op (llmserve/kernels) that saves a Python call per layer, or llmserve::packed_linear where the
-execution plan runs without the native kernels. The handle names an entry of a process-wide table
-(kept in Python, and mirrored in the native op's own table for native layers), so the weight never enters
-the graph. (As a graph constant, an opaque oneDNN tensor needs inductor's freezing and cannot be
+Where the native kernels run, every step (eager or compiled) calls the packed weights through
+llmserve::onednn_linear(x, handle), a native op (llmserve/kernels) that saves a Python call per
+layer and sends steps of few rows to llmserve::gemv; without them, compiled graphs call
+llmserve::packed_linear. The handle names an entry of a process-wide table (kept in Python, and
+mirrored in the native op's own table for native layers, which alone holds the plain weight), so
+the weight never enters the graph. (As a graph constant, an opaque oneDNN tensor needs inductor's freezing and cannot be
 pickled, which turns off inductor's on-disk cache; an int handle keeps the graph small and
 cacheable, and eager and compiled share one copy of the weights.)
 """
@@ -31,8 +32,7 @@ from llmserve.model.quantize import linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
-# handle -> (packed weight, bias, plain weight [out, in] or None)
-_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+_PACKED: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # handle -> (packed weight, bias)
 _HANDLES = itertools.count()
 
 
@@ -50,7 +50,7 @@ class PackedLinear(nn.Module):
         # an own copy: the loaded weight may sit on the checkpoint's memory map (see pack_linears)
         plain = linear.weight.detach().clone(memory_format=torch.contiguous_format) if native and gemv else None
         self.handle, self.native = next(_HANDLES), native
-        _PACKED[self.handle] = (packed, linear.bias, plain)
+        _PACKED[self.handle] = (packed, linear.bias)
         if native:
             _register_native_shape()
             torch.ops.llmserve.packed_register(self.handle, packed, linear.bias, plain)
@@ -77,7 +77,7 @@ def _release(handle: int, native: bool) -> None:
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """A layer packed without the native kernels (no plain weight, no gemv)."""
-    weight, bias, _ = _PACKED[handle]
+    weight, bias = _PACKED[handle]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 

@@ -148,9 +148,10 @@ def run_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config
 def _local_instance(ray_config: RayConfig) -> dict:
     """ray.init's options for a local instance: its dashboard on loopback where ray[default] is
     installed (Ray starts it only then), none with --ray-dashboard-port 0."""
-    if not ray_config.ray_dashboard_port:
+    if ray_config.ray_dashboard_port == 0:
         return {"include_dashboard": False}
-    return {"include_dashboard": None, "dashboard_host": "127.0.0.1", "dashboard_port": ray_config.ray_dashboard_port}
+    port = {} if ray_config.ray_dashboard_port is None else {"dashboard_port": ray_config.ray_dashboard_port}
+    return {"include_dashboard": None, "dashboard_host": "127.0.0.1", **port}
 
 
 def _inspect_hint(gcs_address: str, dashboard_url: str | None) -> str:
@@ -158,7 +159,8 @@ def _inspect_hint(gcs_address: str, dashboard_url: str | None) -> str:
     ~/.ray/auth_token by ray.init) and RAY_AUTH_MODE=token."""
     hint = f"local Ray instance at {gcs_address}: `RAY_AUTH_MODE=token ray status --address {gcs_address}`"
     if not dashboard_url:
-        return hint + "; no dashboard (`ray list actors` and the dashboard need: pip install 'ray[default]')"
+        return hint + ("; no dashboard: Ray starts one only where ray[default] is installed (pip install 'ray[default]'), "
+                       "on a free port (see Ray's log if it did not start); `ray list actors` needs it")
     url = dashboard_url if dashboard_url.startswith("http") else f"http://{dashboard_url}"
     return (hint + f", `RAY_AUTH_MODE=token ray list actors --address {url}`; dashboard at {url} "
             "(its token: `ray get-auth-token`)")

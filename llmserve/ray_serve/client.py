@@ -16,7 +16,6 @@ reached a live engine) is sent again, up to RETRIES times, so new requests go to
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -111,7 +110,8 @@ class RayEngineClient:
 
     def abort_request(self, request_id: str) -> None:
         """The caller has gone: forget its sink; cancelling the stream aborts it in its replica."""
-        self.requests.forget(request_id)
+        if self.requests.forget(request_id):
+            self.listeners.emit(StepEvent([], self.stats))
         record = self._requests.get(request_id)
         if record is not None and record.task is not None:
             record.task.cancel()
@@ -139,7 +139,7 @@ class RayEngineClient:
     @property
     def stats(self) -> EngineStats:
         """As of the last board read, with the front end's queue depth."""
-        return dataclasses.replace(self._stats, num_waiting=self.requests.num_waiting)
+        return self.requests.stats(self._stats)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         return dict(self._replicas)
@@ -190,6 +190,7 @@ class RayEngineClient:
 
     def _fail(self, rid: str, error: BaseException) -> None:
         self.requests.fail(rid, error)
+        self.listeners.emit(StepEvent([], self.stats))
 
     # ---- stats ------------------------------------------------------------------------------
 
@@ -207,8 +208,8 @@ class RayEngineClient:
             del self._retired[back]
         self._replicas = posted
         self._stats = sum_stats(list(posted.values()), list(self._retired.values()), self._empty)
-        if steps.durations:  # the engines' steps: the step-time histogram, the dashboard's stages
-            self.listeners.emit(StepEvent([], self.stats, steps.durations, steps.stage_seconds))
+        # every read: the gauges follow replicas that come, go or idle; the steps' times, if any
+        self.listeners.emit(StepEvent([], self.stats, steps.durations, steps.stage_seconds))
 
     async def _follow_board(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """Live serving figures for the dashboard (GET /stats/live): one Second per wall-clock second over
 the last WINDOW_S seconds.
 
-Feeds, each O(1) per step and per token: `on_step(step)` (an EngineCoreClient step listener) adds the
+Feeds, each O(1) per step and per token: `on_step(step)` (a step listener on the engine door) adds the
 step's tokens, its stage times, the TTFT and every ITL of each request that finished, and the
 gauges and cumulative counters after it; `points(since)` (a poll) also stamps the current second
 with the gauges now, so an idle server still draws a line.

@@ -32,6 +32,14 @@ class StoredResponse(records.Record, tag="stored-response/2"):
     conversation: list[dict[str, Any]]  # Responses API items, oldest first, this turn's output last
 
 
+def _json_only(value: Any) -> bool:
+    """Only what JSON holds (msgpack also carries bytes, extension types and non-string keys)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_only(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_json_only(v) for v in value)
+    return value is None or isinstance(value, str | int | float | bool)
+
 
 class ResponseStore:
     def __init__(self, ttl_s: int, max_entries: int, max_bytes: int, redis: RedisResponseStore | None = None):
@@ -45,8 +53,13 @@ class ResponseStore:
         if raw is None:
             return None
         record = records.decode(raw, StoredResponse)
-        if record is None:
+        try:
+            ok = record is not None and _json_only(record.response) and _json_only(record.conversation)
+        except RecursionError:
+            ok = False
+        if not ok:
             logger.warning("stored response %s does not decode; treated as absent", response_id)
+            return None
         return record
 
     async def put(self, response_id: str, record: StoredResponse) -> bool:
