@@ -68,18 +68,19 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    import torch
-
-    from llmserve.model.loader import load_model
-    from llmserve.model.quantize import save_quantized
+    from llmserve.model.config import ModelConfig
+    from llmserve.model.loader import read_weights, weight_files
+    from llmserve.model.quantize import quantize_checkpoint, save_quantized
     from llmserve.model.resolve import resolve_model
 
     src = resolve_model(args.model)
-    model = load_model(src, torch.float32, quantize="int8")
-    out = save_quantized(src, args.out, model)
-    before = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    cfg = ModelConfig.from_file(src / "config.json")
+    files = weight_files(src)
+    tensors, formats = quantize_checkpoint(read_weights(files, cfg), args.format, cfg.tie_word_embeddings)
+    out = save_quantized(src, args.out, tensors, formats)
+    before = sum(f.stat().st_size for f in files)
     after = (out / "model.safetensors").stat().st_size
-    print(f"wrote {out}: weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    print(f"wrote {out} ({args.format}): weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
     return 0
 
 
@@ -121,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("serve", help="load-test any OpenAI-compatible server (like `vllm bench serve`)")
     add_bench_arguments(bs)
     bs.set_defaults(func=_bench_serve)
-    q = sub.add_parser("quantize", help="write an int8 weight-only checkpoint that llmserve loads directly")
+    q = sub.add_parser("quantize", help="write a block-quantized checkpoint (Q8_0 or Q4_1 layout) that llmserve serves as stored")
     q.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     q.add_argument("--out", required=True)
+    q.add_argument("--format", choices=("int8", "int4"), default="int8",
+                   help="int8: a float16 scale per 32 weights (Q8_0); int4: a scale and a minimum per 32 (Q4_1)")
     q.set_defaults(func=_quantize)
     return p
 

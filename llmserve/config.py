@@ -47,7 +47,11 @@ class EngineConfig:
     compile: str = _opt(
         "auto", "compiled execution (auto: inductor where it measured faster; see the execution plan in the log)",
         ("auto", "none", "inductor", "tensorrt"))
-    quantize: str | None = _opt(None, "weight-only quantization", ("int8",))
+    enforce_eager: bool = _opt(False, "never run CUDA graphs: every step eager (--device cuda; the plan's "
+                               "cudagraph_mode says so on the CPU too, where steps never run them)")
+    quantize: str | None = _opt(None, "weight-only quantization of the linear layers, blocks of 32 along K: int8 (Q8_0 "
+                                "layout), int4 (Q4_1); none dequantizes (default: as the checkpoint stores them, so a "
+                                "GGUF file's Q8_0/Q4_0/Q4_1 weights are served as shipped)", ("none", "int8", "int4"))
     seed: int = _opt(0, "seed of the engine's default random generator")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice)")
     speculative_method: str | None = _opt(None, "speculative decoding: ngram (prompt lookup; off by default)", ("ngram",))

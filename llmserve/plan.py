@@ -13,8 +13,12 @@ Rules (`auto` everywhere):
   bf16: there a bf16 cache halves the bytes decode attention reads, and the faster of the two is
   measured once per machine and model shape (cached beside the kernels). An explicit float32
   asks for float32 numerics, so its cache stays float32.
+- weights: as the checkpoint stores them (a GGUF file's Q8_0/Q4_0/Q4_1 tensors stay block-quantized,
+  int8 or int4), unless --quantize says none (dequantize), int8 or int4 (every linear layer in it);
+  float where LoRA adapters are enabled. Steps of at most quant_max_rows rows run the quantized
+  GEMV, larger ones dequantized tiles and the GEMM: the crossover is measured once per machine.
 - compile: inductor where it measured faster (bf16 on native-bf16 CPUs, float32 on AVX2 and
-  AVX-512), except for int8 layers (eager) and models too small for a compile to pay back.
+  AVX-512), except for models too small for a compile to pay back.
 - linear: oneDNN-packed weights; where the native kernels run and a second copy costs at most
   an eighth of the RAM, plain weights too, for steps of few rows (batch-1 decode, small batches),
   which llmserve::gemv reads at close to the streaming bandwidth. Its software prefetch distance
@@ -26,6 +30,9 @@ Rules (`auto` everywhere):
   There the dtype is bfloat16 (float32 where the GPU lacks bf16), attention runs the Triton
   kernels (llmserve.kernels.triton_attention), linears cuBLAS, and steps run eager: the compiled
   step graph and CUDA graphs on a GPU are not built yet.
+- cudagraph_mode: none everywhere for now, with the reason: --enforce-eager, the CPU, or on a GPU
+  the capture sizes decode steps would replay (llmserve.engine.cuda_graphs) until the capture
+  has run on one (then full_decode_only: pure decode steps replay graphs, the rest run eager).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile 
 GEMV_PREFETCH_BYTES = (0, 1024, 2048, 4096, 8192)  # the software prefetch distances measured
 GEMV_PROBE_BYTES = 512 << 20  # the most weight bytes they are measured over (a larger model is past any cache)
 GEMV_ROWS = (1, 4, 8, 12, 16)  # the step sizes where gemv is measured against oneDNN
+QUANT_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}  # llmserve.model.quantize.FORMATS, by their GGUF layouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +139,9 @@ class ExecutionPlan:
     linear_backend: Choice  # onednn-packed+gemv | onednn-packed | int8 | dense
     gemv_prefetch: Choice  # bytes llmserve::gemv prefetches ahead: 0 (none) | 1024 ... 8192
     gemv_max_rows: Choice  # packed layers' steps of at most this many rows run llmserve::gemv: 0 ... 16
+    weights: Choice  # what the linear layers hold: float | int8 | int4 | int4+int8 (mixed) ...
+    quant_max_rows: Choice  # quantized layers' steps of at most this many rows run the quantized GEMV: 0 ... 16
+    cudagraph_mode: Choice  # none | full_decode_only (CUDA graphs for pure decode steps; not built yet)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -169,7 +180,7 @@ def plan_for(config, model_config) -> ExecutionPlan:
 
     gpu = GpuInfo.detect() if config.device == "cuda" else None
     if gpu is not None:
-        return gpu_plan(config, CpuInfo.detect(), gpu)
+        return gpu_plan(config, CpuInfo.detect(), gpu, model_config.weight_formats)
     return build_plan(config, model_config, CpuInfo.detect(), config.attention_backend == "auto" and kernels.load())
 
 
@@ -186,13 +197,39 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     dtype = _dtype(config.dtype, cpu)
     attention, isa = _attention(config.attention_backend, cpu, kernels_ok, env.get("LLMSERVE_CPU_ISA"))
     kv = _kv_cache_dtype(config.kv_cache_dtype, config.dtype, dtype, cpu, attention, isa, model_config)
-    compile_ = _compile(config.compile, dtype, cpu, config.quantize, model_config)
-    linear = _linear(config.quantize, dtype, attention, model_config)
+    weights = _weights(config, model_config)
+    compile_ = _compile(config.compile, dtype, cpu, model_config)
+    linear = _linear(weights, dtype, attention, model_config)
     prefetch = rows = Choice("0", "no llmserve::gemv in this plan")
-    if linear.value.endswith("+gemv"):
+    if "gemv" in linear.value or (weights.value != "float" and attention.value == "native"):
         prefetch = measured_gemv_prefetch(isa.value, DTYPES[dtype.value], model_config)
+    if linear.value.endswith("+gemv"):
         rows = measured_gemv_max_rows(isa.value, DTYPES[dtype.value], int(prefetch.value), model_config)
-    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch, rows)
+    quant_rows = Choice("0", "no quantized layers" if weights.value == "float" else "no native kernels: torch dequantizes")
+    if weights.value != "float" and attention.value == "native":
+        fmt = "int4" if "int4" in weights.value else "int8"  # the decoder linears' (int4 beside an int8 LM head)
+        quant_rows = measured_quant_max_rows(isa.value, DTYPES[dtype.value], fmt, int(prefetch.value), model_config)
+    graphs = Choice("none", "--enforce-eager" if config.enforce_eager else "CUDA graphs run on NVIDIA GPUs only")
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch, rows, weights,
+                         quant_rows, graphs)
+
+
+def _weights(config, model_config) -> Choice:
+    """What the linear layers will hold: the checkpoint's formats unless --quantize says otherwise."""
+    stored = "+".join(model_config.weight_formats) or "float"
+    if config.quantize == "none":
+        return Choice("float", f"--quantize none: dequantized from {stored}" if stored != "float" else "asked for")
+    if config.quantize in QUANT_FORMATS:
+        if config.enable_lora:
+            raise InvalidRequestError(f"--quantize {config.quantize} does not support --enable-lora in this release; "
+                                      "adapters run over float weights (drop --quantize, or use --quantize none)", "quantize")
+        return Choice(config.quantize, f"--quantize {config.quantize}: {QUANT_FORMATS[config.quantize]} blocks of 32")
+    if stored == "float":
+        return Choice("float", "the checkpoint's float weights")
+    if config.enable_lora:
+        return Choice("float", f"auto: dequantized from {stored}, since LoRA adapters run over float weights")
+    return Choice(stored, f"as stored in the checkpoint ({', '.join(QUANT_FORMATS[f] for f in model_config.weight_formats)} "
+                          "blocks, read as they are; --quantize none dequantizes)")
 
 
 def _cpu_class(cpu: CpuInfo) -> Choice:
@@ -206,10 +243,10 @@ def _auto_device_reason() -> str:
     return "auto: torch sees no CUDA GPU"
 
 
-def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
+def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo, model_formats: tuple[str, ...] = ()) -> ExecutionPlan:
     """The plan on a CUDA GPU: the Triton attention kernels, cuBLAS linears, eager steps."""
-    if config.compile in ("tensorrt", "inductor") or config.quantize:
-        asked = f"--compile {config.compile}" if not config.quantize else f"--quantize {config.quantize}"
+    if config.compile in ("tensorrt", "inductor") or config.quantize in QUANT_FORMATS:
+        asked = f"--compile {config.compile}" if config.quantize not in QUANT_FORMATS else f"--quantize {config.quantize}"
         raise InvalidRequestError(f"{asked} is not supported on a GPU in this release; drop it or use --device cpu")
     if config.attention_backend == "torch":
         raise InvalidRequestError("--attention-backend torch runs on the CPU only; on a GPU attention runs Triton kernels")
@@ -226,7 +263,25 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo) -> ExecutionPlan:
                       "auto: eager; the compiled step graph and CUDA graphs have not run on a GPU yet")
     return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
                          Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"),
-                         Choice("0", "no llmserve::gemv on a GPU"), Choice("0", "no llmserve::gemv on a GPU"))
+                         Choice("0", "no llmserve::gemv on a GPU"), Choice("0", "no llmserve::gemv on a GPU"),
+                         _gpu_weights(model_formats), Choice("0", "no quantized layers on a GPU"),
+                         _cudagraph_mode(config))
+
+
+def _gpu_weights(stored: tuple[str, ...]) -> Choice:
+    if not stored:
+        return Choice("float", "the checkpoint's float weights")
+    return Choice("float", f"dequantized from {'+'.join(stored)}: quantized layers run on the CPU only in this release")
+
+
+def _cudagraph_mode(config) -> Choice:
+    """On a GPU: none, until the capture (llmserve.engine.cuda_graphs) has run on one."""
+    from llmserve.engine.cuda_graphs import cudagraph_capture_sizes
+
+    if config.enforce_eager:
+        return Choice("none", "--enforce-eager: every step eager")
+    sizes = " ".join(map(str, cudagraph_capture_sizes(config.max_num_seqs)))
+    return Choice("none", f"eager: decode steps would replay graphs of {sizes} rows, whose capture has not run on a GPU yet")
 
 
 def _dtype(requested: str, cpu: CpuInfo) -> Choice:
@@ -273,18 +328,10 @@ def _kv_cache_dtype(requested: str, requested_dtype: str, dtype: Choice, cpu: Cp
     return measured_kv_cache_dtype(isa.value, model_config)
 
 
-def _compile(requested: str, dtype: Choice, cpu: CpuInfo, quantize: str | None, model_config) -> Choice:
-    from llmserve.model.compile import CompileUnavailableError
-
-    if requested == "inductor" and quantize:
-        raise CompileUnavailableError(
-            f"--compile inductor does not support --quantize {quantize} in this release "
-            "(int8 layers run eager); use --compile none with --quantize, or drop --quantize")
+def _compile(requested: str, dtype: Choice, cpu: CpuInfo, model_config) -> Choice:
     if requested != "auto":
         return Choice(requested, "asked for")
     params = approx_params(model_config)
-    if quantize:
-        return Choice("none", f"auto: --quantize {quantize} runs eager")
     if params < MIN_COMPILE_PARAMS:
         return Choice("none", f"auto: {params / 1e6:.1f} M parameters step in about a millisecond; a compile would not pay back")
     if dtype.value == "bfloat16" and not cpu.native_bf16:
@@ -294,11 +341,12 @@ def _compile(requested: str, dtype: Choice, cpu: CpuInfo, quantize: str | None, 
     return Choice("inductor", "auto: compiled float32 steps measured 1.1-1.3x eager on AVX2 and AVX-512")
 
 
-def _linear(quantize: str | None, dtype: Choice, attention: Choice, model_config) -> Choice:
+def _linear(weights: Choice, dtype: Choice, attention: Choice, model_config) -> Choice:
     from llmserve.model.packed import packs_correctly
 
-    if quantize == "int8":
-        return Choice("int8", "--quantize int8: weight-only int8 with per-channel scales")
+    if weights.value != "float":
+        how = "llmserve::quant_linear" if attention.value == "native" else "dequantized by torch on each call (slow)"
+        return Choice(weights.value, f"block-quantized layers through {how}; float layers, if any, as nn.Linear")
     if not packs_correctly(DTYPES[dtype.value]):
         return Choice("dense", "oneDNN weight packing is unavailable in this torch build or CPU")
     extra = approx_params(model_config) * DTYPES[dtype.value].itemsize
@@ -352,14 +400,31 @@ def measured_gemv_max_rows(isa: str, dtype: torch.dtype, prefetch: int, model_co
     shapes; measured once per (ISA, dtype, threads, shapes, prefetch)."""
     name = str(dtype).removeprefix("torch.")
     key = f"gemv_max_rows:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{prefetch}B:{GEMV_ROWS}"
-    ms = {k: round(v, 2) for k, v in _measured(key, isa, lambda: _time_gemv_rows(dtype, prefetch, model_config)).items()}
+    rows, figures = _rows_won(_measured(key, isa, lambda: _time_gemv_rows(dtype, prefetch, model_config)), "onednn")
+    return Choice(str(rows), f"auto: measured gemv against oneDNN, ms over the model's {name} linears ({isa}): {figures}")
+
+
+def measured_quant_max_rows(isa: str, dtype: torch.dtype, fmt: str, prefetch: int, model_config) -> Choice:
+    """The most rows a step may have and still run the quantized GEMV (rather than a dequantized
+    tile and the GEMM): the longest run of GEMV_ROWS at which it was never slower, over `fmt`
+    weights of the model's shapes; measured once per (ISA, dtype, format, threads, shapes)."""
+    name = str(dtype).removeprefix("torch.")
+    key = f"quant_max_rows:{isa}:{name}:{fmt}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{prefetch}B:{GEMV_ROWS}"
+    rows, figures = _rows_won(_measured(key, isa, lambda: _time_quant_rows(dtype, fmt, prefetch, model_config)), "tile")
+    return Choice(str(rows), f"auto: measured the quantized GEMV against dequantized tiles and the GEMM, ms over the "
+                             f"model's linears in {fmt} ({name}, {isa}): {figures}")
+
+
+def _rows_won(measured: dict[str, float], other: str) -> tuple[int, str]:
+    """measured: `gemv@M` and `<other>@M` ms for M in GEMV_ROWS -> (the last M of the first run
+    of row counts where gemv was never slower, the figures as `M rows gemv vs other`)."""
+    ms = {k: round(v, 2) for k, v in measured.items()}
     rows = 0
     for m in GEMV_ROWS:
-        if ms[f"gemv@{m}"] > ms[f"onednn@{m}"]:
+        if ms[f"gemv@{m}"] > ms[f"{other}@{m}"]:
             break
         rows = m
-    figures = ", ".join(f"{m} rows {ms[f'gemv@{m}']:.2f} vs {ms[f'onednn@{m}']:.2f}" for m in GEMV_ROWS)
-    return Choice(str(rows), f"auto: measured gemv against oneDNN, ms over the model's {name} linears ({isa}): {figures}")
+    return rows, ", ".join(f"{m} rows {ms[f'gemv@{m}']:.2f} vs {ms[f'{other}@{m}']:.2f}" for m in GEMV_ROWS)
 
 
 def _measured(key: str, isa: str, measure: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -469,6 +534,32 @@ def _time_gemv_rows(dtype: torch.dtype, prefetch: int, model_config, rounds: int
             return _interleaved({f"{k}@{m}": f(m) for m in GEMV_ROWS for k, f in (("gemv", gemv), ("onednn", onednn))}, rounds)
     finally:
         kernels.set_gemv_prefetch(before)
+
+
+def _time_quant_rows(dtype: torch.dtype, fmt: str, prefetch: int, model_config, rounds: int = 5) -> dict[str, float]:
+    """llmserve::quant_linear with the GEMV and with the tile path, over `fmt` probe weights (a
+    quarter of the float probe's bytes at most), at each row count in GEMV_ROWS."""
+    from llmserve import kernels
+    from llmserve.model.quantize import quantize
+
+    ws = [quantize(w, fmt) for w in _probe_weights(torch.float32, model_config)[: 4 * max(1, model_config.num_hidden_layers // 4)]]
+    xs = {(m, k): torch.randn(m, k).to(dtype) for m in GEMV_ROWS for k in {w.in_features for w in ws}}
+    before = (kernels.gemv_prefetch(), kernels.quant_max_rows())
+    kernels.set_gemv_prefetch(prefetch)
+
+    def at(m: int, limit: int) -> Callable[[], None]:
+        def run() -> None:
+            kernels.set_quant_max_rows(limit)
+            for w in ws:
+                torch.ops.llmserve.quant_linear(xs[m, w.in_features], w.q, w.d, w.m, None, w.in_features)
+        return run
+
+    try:
+        with torch.inference_mode():
+            return _interleaved({f"{k}@{m}": at(m, lim) for m in GEMV_ROWS for k, lim in (("gemv", 16), ("tile", 0))}, rounds)
+    finally:
+        kernels.set_gemv_prefetch(before[0])
+        kernels.set_quant_max_rows(before[1])
 
 
 def _time_decode(kv_dtype: torch.dtype, c, num_seqs: int, context: int, reps: int = 5) -> float:

@@ -12,9 +12,17 @@
    of --b1-rounds streams (a shared machine's bandwidth drifts within a minute); the median
    round's ratio is the figure.
 
+4. --weights none,int8,int4,stored: the same model under each weights format (--quantize; stored:
+   as the checkpoint holds them, e.g. the default model's Q4_1 blocks), one engine
+   each, measured round by round in turn (--rounds): the batch-1 decode step against its own
+   weight bytes over the read bandwidth measured just before, one stream's output tok/s
+   (--input-len in / --output-len out), --num-prompts streams at once, and the prefill of one
+   --prefill-len prompt; the medians, and each format's ratio to the first (the float plan).
+
 Emulating an AVX2-only CPU on an AVX-512 one: ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 LLMSERVE_CPU_ISA=avx2 (the plan then sees no native bf16 and picks float32).
 Usage: python scripts/bench_cpu.py [--model DIR] [engine options, e.g. --dtype float32 --compile none]
+       python scripts/bench_cpu.py --weights none,int8,int4 [--rounds 3] [engine options]
 """
 
 from __future__ import annotations
@@ -102,9 +110,79 @@ def workload(config: EngineConfig, num_prompts: int, input_len: int, output_len:
     head = c.vocab_size * c.hidden_size
     body = approx_params(c) - head * (1 if c.tie_word_embeddings else 2)
     flops = 2 * body * num_prompts * input_len + 2 * (body + head) * num_prompts * output_len
-    weight_bytes = (body + head) * engine.dtype.itemsize if engine.plan.linear_backend.value != "int8" else body + head
     return {"plan": engine.plan, "tok_s": num_prompts * output_len / elapsed, "elapsed": elapsed, "flops": flops,
-            "b1_rounds": rounds, "weight_bytes": weight_bytes}
+            "b1_rounds": rounds, "weight_bytes": linear_bytes(engine)}
+
+
+def linear_bytes(engine) -> int:
+    """Bytes every decode step reads from the linear layers' weights (the LM head included):
+    block-quantized layers as stored, float ones (maybe packed for oneDNN) at the plan's dtype."""
+    from llmserve.model.quantize import QuantLinear
+
+    quantized = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]
+    float_weights = sum(m.in_features * m.out_features for m in engine.model.modules()
+                        if hasattr(m, "out_features") and not isinstance(m, QuantLinear))
+    return sum(m.quantized.nbytes() for m in quantized) + float_weights * engine.dtype.itemsize
+
+
+class WeightsRun:
+    """One engine under one --quantize value, and its figures per round."""
+
+    def __init__(self, config: EngineConfig, weights: str, args):
+        from dataclasses import replace
+
+        from llmserve.engine.llm_engine import LLMEngine
+
+        self.weights, self.args = weights, args
+        quantize = None if weights == "stored" else weights
+        self.engine = LLMEngine(replace(config, quantize=quantize, kv_cache_memory=config.kv_cache_memory or 1 << 29))
+        self.rng = random.Random(0)
+        self.figures: dict[str, list[float]] = {}
+        self.bytes = linear_bytes(self.engine)
+        warmup(self.engine, self.prompts(2, args.input_len), self.params(8))
+
+    def prompts(self, n: int, length: int) -> list[list[int]]:
+        vocab = self.engine.model_config.vocab_size
+        return [[self.rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+    def params(self, n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+
+    def add(self, name: str, value: float) -> None:
+        self.figures.setdefault(name, []).append(value)
+
+    def round(self) -> None:
+        a, e = self.args, self.engine
+        gbps = read_gbps(reps=3)
+        warmup(e, [], self.params(1))
+        _, elapsed = run_workload(e, self.prompts(1, a.input_len), self.params(a.output_len))
+        b1 = [s.duration_s for s in e.step_records if not s.num_prefill_tokens and s.num_decode_seqs == 1]
+        self.add("b1 step ms", statistics.mean(b1) * 1000)
+        self.add("b1 / bound", statistics.mean(b1) / (self.bytes / (gbps * 1e9)))
+        self.add("1 stream tok/s", a.output_len / elapsed)
+        _, elapsed = run_workload(e, self.prompts(a.num_prompts, a.input_len), self.params(a.output_len))
+        self.add(f"{a.num_prompts} streams tok/s", a.num_prompts * a.output_len / elapsed)
+        _, elapsed = run_workload(e, self.prompts(1, a.prefill_len), self.params(1))
+        self.add(f"prefill {a.prefill_len} ms", elapsed * 1000)
+
+
+def compare_weights(config: EngineConfig, args) -> None:
+    runs = [WeightsRun(config, w, args) for w in args.weights.split(",")]
+    for r in runs:
+        print(f"--quantize {r.weights}: linear weights {r.bytes / 1e6:.1f} MB\n{r.engine.plan.describe()}\n")
+    for i in range(args.rounds):
+        for r in runs:
+            r.round()
+        print(f"round {i + 1}: " + "; ".join(f"{r.weights} b1 {r.figures['b1 step ms'][-1]:.2f} ms" for r in runs))
+    base = runs[0]
+    print(f"\nmedians of {args.rounds} rounds (ratio: to --quantize {base.weights}; for times, theirs / its)")
+    for name in base.figures:
+        cells = []
+        for r in runs:
+            v, b = statistics.median(r.figures[name]), statistics.median(base.figures[name])
+            ratio = v / b if "tok/s" in name else b / v if "ms" in name else None
+            cells.append(f"{r.weights} {v:.2f}" + (f" ({ratio:.2f}x)" if ratio and r is not base else ""))
+        print(f"{name:>20}: " + ", ".join(cells))
 
 
 def main() -> None:
@@ -114,6 +192,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--b1-rounds", type=int, default=3, help="batch-1 streams, each after its own bandwidth probe")
     ap.add_argument("--no-workload", action="store_true", help="only the machine's figures")
+    ap.add_argument("--weights", default=None, help="compare --quantize values side by side, e.g. none,int8,int4")
+    ap.add_argument("--rounds", type=int, default=3, help="--weights: rounds, each format in turn")
+    ap.add_argument("--prefill-len", type=int, default=512, help="--weights: the prefill measured")
     add_arguments(ap, EngineConfig)
     args = ap.parse_args()
     config = from_sources(EngineConfig, args)
@@ -123,6 +204,8 @@ def main() -> None:
     from llmserve.model.config import ModelConfig
     from llmserve.model.resolve import resolve_model
 
+    if args.weights:
+        return compare_weights(config, args)
     c = ModelConfig.from_file(resolve_model(config.model) / "config.json")
     m = machine((c.hidden_size, 2 * c.intermediate_size), cpu.native_bf16)  # the gate_up projection
     print(f"streaming read: {m['read_gbps']:.1f} GB/s")

@@ -13,7 +13,6 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.loader import load_model
-from llmserve.model.quantize import save_quantized
 from llmserve.model.resolve import default_gguf_path
 from llmserve.paths import cache_dir
 
@@ -154,19 +153,6 @@ def run_prefill(model, ids: torch.Tensor, dtype: torch.dtype, device: str = "cpu
         return model.compute_logits(model(ids.to(device), torch.arange(n, device=device), caches, meta)).cpu()
 
 
-def test_int8_checkpoint_round_trip(tiny_model, tmp_path):
-    q = load_model(tiny_model, torch.float32, quantize="int8")
-    save_quantized(Path(tiny_model), tmp_path / "q", q)
-    loaded = load_model(tmp_path / "q", torch.float32)
-    ids = torch.tensor(list(range(3, 30)))
-    a, b = run_prefill(q, ids, torch.float32), run_prefill(loaded, ids, torch.float32)
-    assert torch.equal(a, b)
-    fp = run_prefill(load_model(tiny_model, torch.float32), ids, torch.float32)
-    assert (a - fp).abs().max() / fp.abs().max() < 5e-2  # int8 is close to float32, not equal
-    # the quantized file stores int8 weights: well under half the float32 size
-    assert (tmp_path / "q" / "model.safetensors").stat().st_size < 0.5 * (Path(tiny_model) / "model.safetensors").stat().st_size
-
-
 def test_tensorrt_without_cuda_fails_clearly(tiny_model):
     r = subprocess.run(
         [sys.executable, "-m", "llmserve.cli", "generate", "hi", "--model", tiny_model, "--compile", "tensorrt"],
@@ -195,73 +181,13 @@ def perplexity(llm: LLM, text: str) -> float:
 
 
 @realmodel
-def test_int8_perplexity_within_3_percent(smollm):
-    fp32 = perplexity(LLM(None, dtype="float32", compile="none"), ENGLISH)
-    int8 = perplexity(LLM(None, dtype="float32", quantize="int8"), ENGLISH)
-    print(f"SmolLM2-135M perplexity: float32 {fp32:.3f}, int8 {int8:.3f} ({(int8 / fp32 - 1) * 100:+.2f}%)")
-    assert fp32 < 30  # real English on a real model
-    assert abs(int8 / fp32 - 1) <= 0.03
-
-
-@realmodel
-def test_bfloat16_greedy_matches_float32_mostly(smollm):
-    sentences = [s.strip() + "." for s in ENGLISH.split(".") if len(s.strip()) > 20][:12]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fp32, bf16 = LLM(None, dtype="float32", compile="none"), LLM(None, dtype="bfloat16")
-    ref = fp32.generate(sentences, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2))
-    got = bf16.generate(sentences, params)
-    same = 0
-    for r, g in zip(ref, got, strict=True):
-        if r.token_ids == g.token_ids:
-            same += 1
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids, strict=False)) if a != b)
-        (t1, l1), (_, l2) = r.logprobs[i].top[:2]
-        assert l1 - l2 < 0.5, f"bf16 diverged at {i} where float32 was not near a tie ({l1 - l2:.3f} nats)"
-    print(f"bf16 greedy equals float32 on {same}/{len(sentences)} prompts")
-    assert same >= len(sentences) // 2
-
-
-@realmodel
-def test_inductor_matches_eager_on_smollm2(smollm):
-    """The default model, float32: compiled and eager give identical greedy tokens on 16 mixed
-    requests (prompts of different lengths; decode batches of every size from 16 down)."""
-    sentences = [s.strip() + "." for s in ENGLISH.split(".") if len(s.strip()) > 20]
-    prompts = [" ".join(sentences[(i + k) % len(sentences)] for k in range(1 + i % 3)) for i in range(16)]
-    params = [SamplingParams(max_tokens=8 + 2 * i, temperature=0, ignore_eos=True) for i in range(16)]
-    eager = [o.token_ids for o in LLM(None, dtype="float32", compile="none", max_num_seqs=16).generate(prompts, params)]
-    compiled = LLM(None, dtype="float32", compile="inductor", max_num_seqs=16)
-    runner = compiled.engine.runner
-    runner.model = CountingCalls(runner.model)
-    assert [o.token_ids for o in compiled.generate(prompts, params)] == eager
-    assert runner.model.calls == 0  # prefill, mixed and decode steps all ran compiled
-
-
-def test_compiled_code_is_cached_in_the_user_cache_dir(tiny_model, tmp_path):
-    """A first start compiles into $LLMSERVE_CACHE_DIR/inductor (not torch's temp-dir default,
-    which loading the model sets first) and records how long it took; a second start loads it
-    from there, without overwriting that record with its short load time."""
-    import os
-
-    code = (
-        "import torch\n"
-        "from llmserve.engine.model_runner import ModelRunner\n"
-        "from llmserve.model.loader import load_model\n"
-        "from llmserve.config import EngineConfig\n"
-        "from llmserve.plan import plan_for\n"
-        f"runner = ModelRunner(load_model({tiny_model!r}, torch.float32), 40, 16, torch.float32)\n"
-        "runner.setup_execution(plan_for(EngineConfig(dtype='float32', compile='inductor'), runner.model.config))\n"
-        "c = torch._dynamo.utils.counters['inductor']\n"
-        "print(c['fxgraph_cache_hit'], c['fxgraph_cache_miss'])\n"
-    )
-    kernels = os.environ.get("LLMSERVE_KERNEL_CACHE") or str(cache_dir("kernels"))  # built already: not again
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env |= {"LLMSERVE_CACHE_DIR": str(tmp_path), "LLMSERVE_KERNEL_CACHE": kernels}
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        runs.append((proc.stdout.split()[-2:], (tmp_path / "inductor" / "last_compile_seconds").read_text()))
-    (cold, cold_seconds), (warm, warm_seconds) = runs
-    assert cold == ["0", "1"] and warm == ["1", "0"]  # (hits, misses): compiled, then loaded
-    assert warm_seconds == cold_seconds
+def test_the_default_models_q4_1_weights_served_as_shipped_and_int8_keep_its_perplexity(smollm):
+    """As shipped (Q4_1 blocks through llmserve::quant_linear) is the dequantized model's
+    perplexity up to summation order; requantized to int8 it stays within 3%."""
+    dequantized = perplexity(LLM(None, dtype="float32", compile="none", quantize="none"), ENGLISH)
+    shipped = perplexity(LLM(None, dtype="float32", compile="none"), ENGLISH)
+    int8 = perplexity(LLM(None, dtype="float32", compile="none", quantize="int8"), ENGLISH)
+    print(f"SmolLM2-135M perplexity: dequantized {dequantized:.3f}, Q4_1 as shipped {shipped:.3f}, int8 {int8:.3f}")
+    assert dequantized < 30  # real English on a real model
+    assert abs(shipped / dequantized - 1) <= 1e-3
+    assert abs(int8 / dequantized - 1) <= 0.03

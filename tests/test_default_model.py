@@ -113,6 +113,17 @@ def test_logits_match_transformers_gguf(ours, tokenizer, gguf_reference):
             )
 
 
+def test_the_default_model_is_served_from_its_q4_1_weights(ours, model_dir):
+    """The decoder's linears keep the file's Q4_1 blocks and the tied LM head its Q8_0 embedding;
+    the converted folder is no bigger than the file's own weights."""
+    from llmserve.model.quantize import QuantLinear
+
+    layers = [m for m in ours.modules() if isinstance(m, QuantLinear | torch.nn.Linear)]
+    assert all(isinstance(m, QuantLinear) for m in layers)
+    assert {m.format for m in layers if m is not ours.lm_head} == {"int4"} and ours.lm_head.format == "int8"
+    assert (model_dir / "model.safetensors").stat().st_size < 1.05 * default_gguf_path().stat().st_size
+
+
 def test_tokenizer_and_chat_template(model_dir, tokenizer, gguf_reference):
     _, ref_tok = gguf_reference
     for prompt in PROMPTS:

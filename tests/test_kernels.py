@@ -142,7 +142,7 @@ def test_padding_blocks_are_never_read(op, dtype):
 
 def test_bad_lengths_and_block_ids_are_refused(op):
     q, k, v, tables, lens = case(9, 3, 64, [20], torch.float32)
-    for bad in (0, tables.shape[1] * 16 + 1):
+    for bad in (-1, tables.shape[1] * 16 + 1):
         with pytest.raises(RuntimeError, match="seq_lens"):
             op(q, k, v, tables, torch.tensor([bad]), 0.125)
     for bad in (-1, k.shape[0], 1 << 40):  # a block id in the part of the table that is read
@@ -153,6 +153,21 @@ def test_bad_lengths_and_block_ids_are_refused(op):
     t = tables.clone()
     t[0, -1] = 1 << 40  # past seq_len: never read, so never checked
     assert torch.equal(op(q, k, v, t, lens, 0.125), op(q, k, v, tables, lens, 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,num_threads", [([0, 40, 0], 1), ([2000, 0], 4)])  # unsplit; split over blocks
+def test_a_row_of_length_0_reads_nothing_and_gives_zeros(op, lens, num_threads, dtype):
+    """A padded row of a CUDA graph's batch: seq_len 0 on a table naming no block of this cache;
+    its output is zeros and the other rows' equal the reference."""
+    q, k, v, tables, seq_lens = case(9, 3, 64, lens, dtype, seed=4)
+    empty = seq_lens == 0
+    tables[empty] = 1 << 40  # would fault if read
+    with threads(num_threads):
+        got = op(q, k, v, tables, seq_lens, 0.125)
+    assert torch.equal(got[empty], torch.zeros_like(got[empty]))
+    want = reference(q[~empty], k, v, tables[~empty], seq_lens[~empty], 0.125)
+    assert (got[~empty].double() - want).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2) * 4
 
 
 def test_nan_in_a_query_stays_nan(op):
@@ -187,7 +202,8 @@ def test_without_a_working_compiler_the_engine_falls_back_to_torch(tmp_path, tin
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_equals_index_copy(op, dtype):
     """reshape_and_cache writes exactly what write_kv_cache (index_copy_) writes, from strided
-    views of a fused qkv row and from another dtype, and refuses slots outside the cache."""
+    views of a fused qkv row and from another dtype; a negative slot (a padded row) writes
+    nothing, in both; slots past the cache are refused."""
     from llmserve.model.attention import write_kv_cache
 
     g = torch.Generator().manual_seed(2)
@@ -200,7 +216,16 @@ def test_cache_write_equals_index_copy(op, dtype):
     write_kv_cache(want, slots, k, v)
     torch.ops.llmserve.reshape_and_cache(k, v, kv, slots)
     assert torch.equal(kv, want)
-    for bad in (-1, 36):
+    padded = torch.tensor([4, -1, 35, -1, 17, 6])
+    before = kv.clone()
+    write_kv_cache(want, padded, k, v)
+    torch.ops.llmserve.reshape_and_cache(k, v, kv, padded)
+    assert torch.equal(kv, want)
+    keep = padded >= 0
+    expect = before.view(2, 36, 3, 16).clone()
+    expect[0, padded[keep]], expect[1, padded[keep]] = k[keep].to(dtype), v[keep].to(dtype)
+    assert torch.equal(kv.view(2, 36, 3, 16), expect)  # rows 1 and 3 are nowhere
+    for bad in (36, 1 << 40):
         with pytest.raises(RuntimeError, match="slot_mapping"):
             torch.ops.llmserve.reshape_and_cache(k, v, kv, torch.tensor([4, 5, 35, 0, 17, bad]))
 
@@ -368,3 +393,64 @@ def test_paged_attention_refuses_a_chunk_that_does_not_fit(op):
     ctxs[1] = 5  # fewer tokens of context than the chunk's 6 queries
     with pytest.raises(RuntimeError, match="does not fit"):
         torch.ops.llmserve.paged_attention(*args[:9], ctxs, *args[10:])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_quant_linear_equals_its_dequantized_weights(op, fmt, dtype, tol):
+    """llmserve::quant_linear over Q8_0/Q4_1 blocks equals x @ dequantize(w)^T in float64: the
+    in-register gemv (up to quant_max_rows rows) and the dequantized-tile GEMM (more rows), input
+    widths that end in a part block or a part vector step, with and without bias; the padding
+    bytes of a part block (poisoned here) are never read into a result."""
+    from llmserve.model.quantize import dequantize, quantize
+
+    g = torch.Generator().manual_seed(9)
+    before = kernels.quant_max_rows()
+    try:
+        for limit in (0, 4, 16):
+            kernels.set_quant_max_rows(limit)
+            for rows in (1, 3, 4, 5, 16, 40):
+                for out, width in ((37, 33), (8, 77), (960, 576), (3, 16), (70, 1536)):
+                    w = quantize(torch.randn(out, width, generator=g), fmt)
+                    poison(w, width)
+                    x = torch.randn(rows, width, generator=g).to(dtype)
+                    bias = torch.randn(out, generator=g).to(dtype) if out % 2 == 0 else None
+                    got = torch.ops.llmserve.quant_linear(x, w.q, w.d, w.m, bias, width)
+                    want = x.double() @ dequantize(w).double().T + (bias.double() if bias is not None else 0)
+                    assert got.dtype == dtype and got.shape == (rows, out)
+                    err = (got.double() - want).abs().max().item()
+                    assert err <= tol * max(1.0, want.abs().max().item()), (limit, rows, out, width, err)
+    finally:
+        kernels.set_quant_max_rows(before)
+
+
+def poison(w, width: int) -> None:
+    """Fill the bytes of a part last block past `width` with values that would show."""
+    pad = w.q.shape[1] * (2 if w.m is not None else 1) - width  # weights of padding
+    if pad == 0:
+        return
+    if w.m is None:
+        w.q[:, width:] = 127
+    else:
+        tail = w.q[:, -16:]  # the last block: byte j holds weights j (low) and j + 16 (high)
+        for j in range(32 - pad, 32):
+            tail[:, j % 16] |= 0x0F if j < 16 else 0xF0
+
+
+def test_quant_linear_refuses_what_does_not_fit(op):
+    from llmserve.model.quantize import quantize
+
+    w = quantize(torch.randn(8, 64), "int4")
+    ql = torch.ops.llmserve.quant_linear
+    with pytest.raises(RuntimeError, match=r"x \[M, 64\]"):
+        ql(torch.ones(2, 63), w.q, w.d, w.m, None, 64)
+    with pytest.raises(RuntimeError, match="inputs take"):
+        ql(torch.ones(2, 96), w.q, w.d, w.m, None, 96)
+    with pytest.raises(RuntimeError, match="int4 weights are uint8"):
+        ql(torch.ones(2, 64), w.q.view(torch.int8), w.d, w.m, None, 64)
+    with pytest.raises(RuntimeError, match="m is like d"):
+        ql(torch.ones(2, 64), w.q, w.d, w.d[:1], None, 64)
+    with pytest.raises(RuntimeError, match="bias"):
+        ql(torch.ones(2, 64), w.q, w.d, w.m, torch.ones(3), 64)
+    with pytest.raises(RuntimeError, match="0 to 16"):
+        kernels.set_quant_max_rows(17)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from llmserve.errors import ModelLoadError
 from llmserve.model import resolve
-from llmserve.model.gguf import convert_gguf
+from llmserve.model.gguf import CONVERSION_VERSION, CONVERTED_FILES, MARKER, convert_gguf
 from llmserve.model.loader import load_model
 from llmserve.model.resolve import resolve_model
 
@@ -203,7 +203,8 @@ def test_gguf_path_reuses_its_converted_folder(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "My Model.Q4.gguf")
     done = tmp_path / "cache" / f"my-model.q4-{path.stat().st_size}"  # keyed by name and size
     done.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in CONVERTED_FILES:
         (done / name).write_text("{}")
+    (done / MARKER).write_text(json.dumps({"version": CONVERSION_VERSION}))
     monkeypatch.setattr(resolve, "convert_gguf", lambda *a: pytest.fail("converted again"))
     assert resolve_model(str(path), cache_dir=tmp_path / "cache") == done

@@ -29,9 +29,9 @@ from llmserve.plan import (
 
 AVX2_ONLY = CpuInfo("AMD EPYC (Zen 3)", frozenset("sse4_2 avx avx2 fma f16c".split()), 2)
 AVX512_BF16 = CpuInfo("AMD EPYC (Zen 5)", frozenset("avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16".split()), 2)
-SMOLLM2 = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-                                 "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                                 "num_key_value_heads": 3, "tie_word_embeddings": True})
+SMOLLM2_RAW = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+SMOLLM2 = ModelConfig.from_dict(SMOLLM2_RAW)
 TINY = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                               "num_key_value_heads": 2})
@@ -108,14 +108,29 @@ def test_explicit_bfloat16_without_native_support_runs_with_one_warning(caplog):
     assert len(warnings) == 1 and "several times slower" in warnings[0] and "auto picks float32" in warnings[0]
 
 
-def test_compile_auto_skips_int8_and_tiny_models_and_inductor_refuses_int8():
-    assert plan(AVX512_BF16, quantize="int8").compile.value == "none"
-    assert plan(AVX512_BF16, quantize="int8").linear_backend.value == "int8"
+def test_compile_auto_skips_tiny_models_and_quantized_weights_compile():
     small = plan(AVX512_BF16, model=TINY).compile
     assert small.value == "none" and "M parameters" in small.reason
     assert plan(AVX512_BF16, compile="none").compile == plan(AVX2_ONLY, compile="none").compile
-    with pytest.raises(CompileUnavailableError, match="--quantize int8"):
-        plan(AVX512_BF16, compile="inductor", quantize="int8")
+    p = plan(AVX512_BF16, compile="inductor", quantize="int8")
+    assert (p.compile.value, p.weights.value) == ("inductor", "int8") and "Q8_0" in p.weights.reason
+
+
+GGUF_Q4_1 = ModelConfig.from_dict({**SMOLLM2_RAW, "quantization_config": {
+    "quant_method": "llmserve-blockwise", "formats": {"mlp.up_proj": "int4", "embed_tokens": "int8"}}})
+
+
+def test_weights_are_served_as_stored_unless_quantize_says_otherwise():
+    assert plan(AVX2_ONLY).weights.value == "float"
+    stored = plan(AVX2_ONLY, model=GGUF_Q4_1).weights
+    assert stored.value == "int4+int8" and "as stored" in stored.reason and "Q4_1" in stored.reason
+    assert plan(AVX2_ONLY, model=GGUF_Q4_1, quantize="none").weights.value == "float"
+    assert plan(AVX2_ONLY, model=GGUF_Q4_1, quantize="int8").weights.value == "int8"
+    assert plan(AVX2_ONLY, quantize="int4").linear_backend.value == "int4"
+    lora = plan(AVX2_ONLY, model=GGUF_Q4_1, enable_lora=True).weights
+    assert lora.value == "float" and "LoRA" in lora.reason  # adapters run over float weights
+    with pytest.raises(InvalidRequestError, match="--quantize int4 does not support --enable-lora"):
+        plan(AVX2_ONLY, quantize="int4", enable_lora=True)
 
 
 def test_cpu_isa_can_be_forced_narrower_but_not_wider():

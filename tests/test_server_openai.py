@@ -96,6 +96,30 @@ def test_raw_stream_ends_with_done_and_usage_only_when_asked(server, path):
         assert len(finals) == 1 and finals[0]["finish_reason"] == "length"
 
 
+CHUNK_KEYS = {"/v1/completions": ["index", "text", "logprobs", "finish_reason", "stop_reason"],
+              "/v1/chat/completions": ["index", "delta", "logprobs", "finish_reason"]}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_raw_stream_bytes_are_compact_json_events_in_openai_key_order(server, path):
+    """Each event is exactly `data: <compact JSON>\\n\\n` (UTF-8 unescaped), fields in OpenAI's order."""
+    body = {"model": server.model, "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {"prompt": "café au lait"} if "chat" not in path else {"messages": MESSAGES}
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        raw = r.read()
+    events = raw.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    for event in events[:-2]:
+        assert event.startswith(b"data: ")
+        chunk = json.loads(event[6:])
+        assert event[6:] == json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+        assert list(chunk) == ["id", "object", "created", "model", "choices", "usage"]
+        for choice in chunk["choices"]:
+            keys = CHUNK_KEYS[path] + (["stop_reason"] if "chat" in path and choice["finish_reason"] else [])
+            assert list(choice) == keys
+    assert json.loads(events[-3][6:])["usage"]["completion_tokens"] == 8
+
+
 def test_chat_matches_offline(server, client, offline):
     ids = offline.tokenizer.apply_chat_template(MESSAGES)
     ref = greedy(offline, ids, 12)

@@ -21,7 +21,6 @@ sink at once; `abort_all` (drain) lets each stream see its final "abort" output.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
@@ -110,7 +109,7 @@ class InFlight:
 
     def stats(self, engine: EngineStats) -> EngineStats:
         """`engine`'s stats with num_waiting = in flight and not among its num_running."""
-        return dataclasses.replace(engine, num_waiting=max(0, len(self.sinks) - engine.num_running))
+        return engine.with_waiting(max(0, len(self.sinks) - engine.num_running))
 
     def admit(self, req: EngineCoreRequest, sink: Sink) -> None:
         """Register `req`, or raise EngineOverloadedError (429) when too many requests or prompt

@@ -35,6 +35,7 @@ from llmserve.memory import memory_stats
 from llmserve.model.compile import check_tensorrt
 from llmserve.model.config import ModelConfig
 from llmserve.model.loader import fingerprint, load_model
+from llmserve.model.quantize import weight_formats
 from llmserve.plan import plan_for
 from llmserve.profiling import StepRecord
 from llmserve.sampling import SamplingParams
@@ -62,7 +63,8 @@ class LLMEngine:
             check_tensorrt()
         self.dtype, self.kv_dtype = self.plan.torch_dtype, self.plan.kv_torch_dtype
         self.device = self.plan.torch_device
-        self.model = load_model(self.model_dir, self.dtype, config.quantize).to(self.device)
+        weights = self.plan.weights.value
+        self.model = load_model(self.model_dir, self.dtype, "none" if weights == "float" else config.quantize).to(self.device)
         self.tokenizer = Tokenizer(self.model_dir)
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
@@ -70,7 +72,8 @@ class LLMEngine:
         dtype, kv_dtype = self.plan.dtype.value, self.plan.kv_cache_dtype.value
         kv = "" if kv_dtype == dtype else f"-kv-{kv_dtype}"  # outputs and KV blocks differ with the cache's dtype
         on = "" if self.device.type == "cpu" else f"-{self.device.type}"  # and with the device's kernels
-        self.fingerprint = f"{fingerprint(self.model_dir)}-{dtype}-{config.quantize or 'none'}{kv}{on}"
+        # the weights' format keys prefix blocks, the Redis KV tier and the response cache
+        self.fingerprint = f"{fingerprint(self.model_dir)}-{dtype}-{weight_formats(self.model)}{kv}{on}"
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,

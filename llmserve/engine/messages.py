@@ -104,21 +104,37 @@ class FrameReader:
         self.buffer = bytearray()
 
     def feed(self, data: bytes) -> list:
-        self.buffer += data
-        messages = []
-        while len(self.buffer) >= HEADER.size:
-            (n,) = HEADER.unpack_from(self.buffer)
+        """The messages of every frame `data` completes; a partial frame's bytes wait for the
+        next call. Bodies are decoded in place (no copy per frame)."""
+        if self.buffer:
+            self.buffer += data
+            if not _holds_frame(self.buffer):  # a long frame arriving piece by piece: copied once, when whole
+                return []
+            data = bytes(self.buffer)
+        view, at, messages = memoryview(data), 0, []
+        while len(data) - at >= HEADER.size:
+            (n,) = HEADER.unpack_from(data, at)
             if n > MAX_FRAME:
                 raise ValueError(f"frame of {n} bytes")
-            if len(self.buffer) < HEADER.size + n:
+            end = at + HEADER.size + n
+            if end > len(data):
                 break
-            body = bytes(self.buffer[HEADER.size : HEADER.size + n])
-            del self.buffer[: HEADER.size + n]
+            body = view[at + HEADER.size : end]
             try:
                 messages.append(self.decoder.decode(body))
             except msgspec.DecodeError as e:  # ValidationError included
-                messages.append(BadFrame(body, str(e)))
+                messages.append(BadFrame(bytes(body), str(e)))
+            at = end
+        self.buffer = bytearray(view[at:])
         return messages
+
+
+def _holds_frame(data: bytes | bytearray) -> bool:
+    """Whether `data` begins with one whole frame (or a header feed() refuses at once)."""
+    if len(data) < HEADER.size:
+        return False
+    (n,) = HEADER.unpack_from(data)
+    return n > MAX_FRAME or len(data) >= HEADER.size + n
 
 
 def read_available(fd: int, reader: FrameReader, timeout: float | None) -> list | None:

@@ -31,6 +31,7 @@ from llmserve.model.compile import StepGraph
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
 from llmserve.model.packed import pack_linears
+from llmserve.model.quantize import use_native_quant
 from llmserve.plan import ExecutionPlan
 
 logger = logging.getLogger("llmserve.engine")
@@ -104,6 +105,9 @@ class ModelRunner:
         if plan.attention_backend.value == "triton":
             from llmserve.kernels.triton_attention import register_cuda_ops
 
+            if plan.cudagraph_mode.value != "none":  # where a graph runner would capture (engine/cuda_graphs.py)
+                raise NotImplementedError(f"cudagraph_mode {plan.cudagraph_mode.value}: the CUDA graph capture is not built")
+
             register_cuda_ops()
             self.model.use_native_attention(True)
             self.unified_attention = True
@@ -112,6 +116,10 @@ class ModelRunner:
             kernels.select_isa(plan.cpu_isa.value)
             kernels.set_gemv_prefetch(int(plan.gemv_prefetch.value))
             kernels.set_gemv_max_rows(int(plan.gemv_max_rows.value))
+            kernels.set_quant_max_rows(int(plan.quant_max_rows.value))
+        quantized = use_native_quant(self.model, plan.native)
+        if quantized:
+            logger.info("block-quantized linear layers (%s): %d", plan.weights.value, quantized)
         self.model.use_native_attention(plan.native)
         self.model.use_native_lora(plan.native)
         linear = plan.linear_backend.value

@@ -28,7 +28,7 @@ from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
 NAMES = ("isa.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "paged_attention.cpp", "gemv.cpp", "cache_write.cpp",
-         "packed_linear.cpp", "lora.cpp")
+         "packed_linear.cpp", "lora.cpp", "quant_linear.cpp")
 SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
 # no -march: each ISA variant names its own target (-mtune only schedules for this CPU, and the
 # library runs on any x86-64); at::parallel_for needs OpenMP
@@ -119,12 +119,26 @@ def gemv_max_rows() -> int:
     return torch.ops.llmserve.gemv_max_rows()
 
 
+def set_quant_max_rows(rows: int) -> None:
+    """Quantized layers run steps of at most `rows` rows through the quantized GEMV, larger ones
+    through a dequantized tile and the GEMM (kernels/quant_linear.cpp)."""
+    torch.ops.llmserve.set_quant_max_rows(rows)
+
+
+def quant_max_rows() -> int:
+    return torch.ops.llmserve.quant_max_rows()
+
+
 def _register_fake() -> None:
     """Shape-only implementation, so torch.compile can trace through the op."""
 
     @torch.library.register_fake("llmserve::paged_decode_attention")
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("llmserve::quant_linear")
+    def _(x, q, d, m, bias, in_features):
+        return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake("llmserve::paged_attention")
     def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, context_len, prefill_tables, scale):

@@ -4,7 +4,8 @@
 //   k, v          [N, kvh, hd]                      the new tokens' keys and values
 //   kv_cache      [2, num_blocks, block_size, kvh, hd]  written in place: [0] keys, [1] values
 //   slot_mapping  [N] int64                          row n goes to slot slot_mapping[n]
-//                                                    (block * block_size + offset)
+//                                                    (block * block_size + offset); a negative
+//                                                    slot (a padded row) writes nothing
 // A row is kvh * hd contiguous elements on both sides (rows may be strided in k and v), so each
 // is one memcpy. The same slot twice in one call keeps the later row, as index_copy_ does.
 
@@ -36,14 +37,13 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_
   const int64_t row = kv_cache.size(3) * kv_cache.size(4) * kv_cache.element_size();  // bytes
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot_mapping[", i, "] = ", sp[i], " is outside the cache (",
-                num_slots, " slots)");
+    TORCH_CHECK(sp[i] < num_slots, "slot_mapping[", i, "] = ", sp[i], " is outside the cache (", num_slots, " slots)");
   char* keys = static_cast<char*>(kv_cache.data_ptr());
   char* vals = keys + num_slots * row;
   // The slots are scattered and cold: ask for every destination line first, so the misses
   // overlap instead of each copy waiting for its own.
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t off = 0; off < row; off += 64) {
+    for (int64_t off = 0; off < row && sp[i] >= 0; off += 64) {
       __builtin_prefetch(keys + sp[i] * row + off, 1);
       __builtin_prefetch(vals + sp[i] * row + off, 1);
     }
@@ -51,6 +51,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_
   const char* vs = static_cast<const char*>(vc.data_ptr());
   const int64_t kstride = kc.stride(0) * kc.element_size(), vstride = vc.stride(0) * vc.element_size();
   for (int64_t i = 0; i < n; ++i) {
+    if (sp[i] < 0) continue;
     std::memcpy(keys + sp[i] * row, ks + i * kstride, row);
     std::memcpy(vals + sp[i] * row, vs + i * vstride, row);
   }

@@ -72,6 +72,7 @@ int64_t gemv_max_rows() { return max_rows.load(); }
 namespace llmserve {
 
 int64_t gemv_row_limit() { return max_rows.load(std::memory_order_relaxed); }
+int64_t gemv_prefetch_bytes() { return prefetch_bytes.load(std::memory_order_relaxed); }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, in] and w [out, in]");

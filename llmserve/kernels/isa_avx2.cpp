@@ -6,10 +6,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "decode.h"
 #include "gemv.h"
 #include "lora.h"
+#include "quant.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -28,12 +30,15 @@ using llmserve::KvType;
 #include "decode_kernel.h"
 #include "gemv_kernel.h"
 #include "lora_kernel.h"
+#include "quant_kernel.h"
 }  // namespace
 
 namespace llmserve {
 
 GemvFn pick_gemv_avx2(KvType weight) { return gemv_variant(weight); }
 LoraBlockFn pick_lora_avx2(KvType weight) { return lora_variant(weight); }
+QGemvFn pick_qgemv_avx2(bool int4) { return qgemv_variant(int4); }
+QDequantFn pick_qdequant_avx2() { return &qdequant; }
 
 // head_dim 16, 32, 64 or 128 (Llama-style models use 64 or 128); others take the portable loop
 DecodeFn pick_avx2(KvType kv, int64_t hd) {

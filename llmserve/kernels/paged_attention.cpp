@@ -6,7 +6,8 @@
 //   q            [D, H, hd]            one query token per sequence
 //   k_cache      [num_blocks, block_size, kvh, hd]   (v_cache likewise)
 //   block_tables [D, max_blocks] int64  the sequence's blocks in order (padding is never read)
-//   seq_lens     [D] int64              tokens to attend to, the new one included
+//   seq_lens     [D] int64              tokens to attend to, the new one included; 0 (a padded
+//                                       row) reads nothing and gives zeros
 //   out          [D, H, hd]
 // Query heads h*g .. h*g+g-1 share KV head h (g = H / kvh). Scores, softmax and the weighted sum
 // of V are computed in fp32. Work items are (sequence, KV head, split): when there are fewer
@@ -123,7 +124,7 @@ void check_decode_args(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t width = tables.size(1), block_size = k_cache.size(1), num_blocks = k_cache.size(0);
   for (int64_t i = 0; i < lens.size(0); ++i) {
-    TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * block_size, "seq_lens[", i, "] = ", lp[i], " is outside [1, ",
+    TORCH_CHECK(lp[i] >= 0 && lp[i] <= width * block_size, "seq_lens[", i, "] = ", lp[i], " is outside [0, ",
                 width * block_size, "]");
     for (int64_t b = 0; b < (lp[i] + block_size - 1) / block_size; ++b)  // every block that will be read
       TORCH_CHECK(tp[i * width + b] >= 0 && tp[i * width + b] < num_blocks, "block_tables[", i, ", ", b, "] = ",
@@ -138,8 +139,9 @@ void merge_item(const float* parts, int64_t splits, int64_t g, int64_t hd, T* ou
   const int64_t item = g * (hd + 2);
   for (int64_t j = 0; j < g; ++j) {
     T* out = out_rows + j * hd;
-    if (splits == 1) {  // one partial: only the normalisation (a row of a padded item has l = 1)
-      const float inv = 1.f / parts[g * hd + g + j];
+    if (splits == 1) {  // one partial: only the normalisation (l = 0: a row of length 0, acc 0)
+      const float l = parts[g * hd + g + j];
+      const float inv = l == 0.f ? 0.f : 1.f / l;
       for (int64_t c = 0; c < hd; ++c) out[c] = static_cast<T>(parts[j * hd + c] * inv);
       continue;
     }
@@ -157,7 +159,7 @@ void merge_item(const float* parts, int64_t splits, int64_t g, int64_t hd, T* ou
       total += wk * lk;
       for (int64_t c = 0; c < hd; ++c) o[c] += wk * p[j * hd + c];
     }
-    const float inv = 1.f / total;
+    const float inv = total == 0.f ? 0.f : 1.f / total;  // every split empty: a row of length 0
     for (int64_t c = 0; c < hd; ++c) out[c] = static_cast<T>(o[c] * inv);
   }
 }

@@ -18,6 +18,8 @@ inline float scalar(uint16_t x) {  // bf16 bits -> fp32
   __builtin_memcpy(&f, &bits, sizeof(f));
   return f;
 }
+// float16 bits -> fp32 (F16C, which both ISA variants have)
+inline float f16(uint16_t h) { return _cvtsh_ss(h); }
 // fp32 -> float or bf16 bits, rounded to nearest even as torch rounds (a NaN stays a quiet NaN)
 inline void put(float* p, float x) { *p = x; }
 inline void put(uint16_t* p, float x) {
@@ -60,6 +62,17 @@ inline Vec vfirst(Vec a, int n, float fill) {
 }
 inline Vec vexp2_parts(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n
 inline Vec vfloor(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)}; }
+
+// W int8 -> fp32
+inline Vec vload_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+// W bytes -> their low nibbles and their high nibbles, as fp32
+inline void vload_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+}
 
 // out lane t = the sum of v[t]'s 16 lanes: pairs interleaved and added, then quads, then the
 // four 128-bit lanes.
@@ -123,6 +136,17 @@ inline Vec vexp2_parts(Vec p, Vec n) {
   return {_mm256_mul_ps(p.v, _mm256_castsi256_ps(bits))};
 }
 inline Vec vfloor(Vec a) { return {_mm256_floor_ps(a.v)}; }
+
+// W int8 -> fp32
+inline Vec vload_i8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
+// W bytes -> their low nibbles and their high nibbles, as fp32
+inline void vload_nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
 
 // out lane t = the sum of v[t]'s 8 lanes: horizontal adds within 128-bit halves, then the halves.
 inline Vec vreduce_rows(const Vec* v) {

@@ -110,10 +110,16 @@ def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, nat
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, native: bool) -> torch.Tensor:
-    # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd]
+    # q: [D, H, hd]; each sequence's blocks gathered: [D, L = max_blocks*block_size, kvh, hd].
+    # A row of length 0 (a padded row) reads nothing and gives zeros, as in the native kernel.
     if native:
         return torch.ops.llmserve.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    out = _decode_torch(q, k_cache, v_cache, meta, scale)
+    return out.masked_fill_((meta.decode_seq_lens == 0)[:, None, None], 0.0)  # their softmax saw only -inf
+
+
+def _decode_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     meta.prepare_decode_bias(k_cache.shape[1])  # built by the first layer, shared by the rest
     d, heads, hd = q.shape
     kvh = k_cache.shape[2]
@@ -165,7 +171,11 @@ def paged_attention_torch(q, k, v, k_cache, v_cache, block_tables, seq_lens, que
 
 
 def write_kv_cache(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """kv_cache [2, num_blocks, block_size, kvh, hd]; k, v [T, kvh, hd] go to slots slot_mapping [T]."""
+    """kv_cache [2, num_blocks, block_size, kvh, hd]; k, v [T, kvh, hd] go to slots slot_mapping [T];
+    a negative slot (a padded row) writes nothing."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     flat = kv_cache.view(2, -1, k.shape[1], k.shape[2])
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

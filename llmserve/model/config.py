@@ -40,6 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qwen2: q/k/v have bias
     quantization: str | None = None  # quantization_config.quant_method of a quantized checkpoint
+    weight_formats: tuple[str, ...] = ()  # the formats its linear weights are stored in (int8, int4), sorted
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -74,6 +75,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", kind == "qwen2")),
             quantization=(raw.get("quantization_config") or {}).get("quant_method"),
+            weight_formats=tuple(sorted(set(((raw.get("quantization_config") or {}).get("formats") or {}).values()))),
         )
 
     @classmethod

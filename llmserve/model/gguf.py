@@ -1,15 +1,19 @@
 """Converting a GGUF file into an ordinary Hugging Face model folder, once.
 
-The folder holds config.json, model.safetensors (float32, HF names, q/k un-permuted back from
-llama.cpp's layout by transformers' GGUF reader), tokenizer.json + tokenizer_config.json (with the
-chat template and special tokens) and generation_config.json, so `load_model` and `Tokenizer`
-read it like any other checkpoint. The folder appears atomically: it is written into a temporary
+The folder holds config.json, model.safetensors (HF names; Q8_0, Q4_0 and Q4_1 tensors kept as
+stored, as a quantized checkpoint's, with config.json's quantization_config saying which: see
+gguf_tensors.py), tokenizer.json + tokenizer_config.json (with the chat template and special
+tokens), generation_config.json and gguf_conversion.json (the conversion's version: a folder
+from an older version is converted again), so `load_model` and `Tokenizer` read it like any
+other checkpoint. The folder appears atomically: it is written into a temporary
 sibling and renamed into place, so an interrupted conversion never leaves a half folder.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 import sys
 import tempfile
@@ -18,11 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.errors import ModelLoadError
+from llmserve.model.gguf_tensors import GgufWeights, as_float, read_gguf_weights
+from llmserve.model.quantize import QuantizedTensor, quantization_config, quantized_entries
+
+logger = logging.getLogger("llmserve.model")
 
 # GGUF general.architecture values whose converted folder our LlamaForCausalLM can run.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Written last; names the conversion's version, so a folder from an older llmserve is redone.
+MARKER, CONVERSION_VERSION = "gguf_conversion.json", 2
 # Files a converted folder must hold; the folder is complete iff all exist (the rename is atomic).
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
 
 
 def read_gguf_metadata(gguf_path: Path) -> dict[str, Any]:
@@ -78,6 +89,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     try:
         _write_folder(gguf_path, meta, tmp)
         _make_readable(tmp)
+        _set_aside_stale(out_dir)
         try:
             tmp.rename(out_dir)
         except OSError:
@@ -92,44 +104,91 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def _set_aside_stale(out_dir: Path) -> None:
+    """Remove a folder left by an older conversion (renamed away first, so readers never see half)."""
+    if not out_dir.exists() or is_converted(out_dir) or not (out_dir / "config.json").is_file():
+        return
+    stale = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stale-", dir=out_dir.parent))
+    try:
+        out_dir.rename(stale / out_dir.name)
+    except OSError:
+        pass  # a concurrent conversion moved it already
+    shutil.rmtree(stale, ignore_errors=True)
+
+
 def is_converted(folder: Path) -> bool:
-    return all((Path(folder) / name).is_file() for name in CONVERTED_FILES)
+    """The folder is complete and written by this conversion's version."""
+    folder = Path(folder)
+    if not all((folder / name).is_file() for name in CONVERTED_FILES):
+        return False
+    try:
+        return json.loads((folder / MARKER).read_text()).get("version") == CONVERSION_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _checkpoint(weights: GgufWeights, tied: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """Tensors to write (quantized ones as quantized_entries) and, per tensor kind, the format
+    of those kept quantized. An untied embedding is only looked up, so it is stored as float."""
+    tensors: dict[str, Any] = {}
+    formats: dict[str, str] = {}
+    for name, w in weights.tensors.items():
+        if isinstance(w, QuantizedTensor) and (tied or not name.endswith("embed_tokens.weight")):
+            tensors.update(quantized_entries(name, w))
+            formats[_kind(name)] = w.format
+        else:
+            tensors[name] = as_float(w).contiguous()
+    return tensors, formats
+
+
+def _kind(name: str) -> str:
+    """`model.layers.3.mlp.up_proj.weight` -> `mlp.up_proj`; `model.embed_tokens.weight` -> `embed_tokens`."""
+    return re.sub(r"^(model\.)?(layers\.\d+\.)?", "", name).removesuffix(".weight").removesuffix(".bias")
+
+
+def _stored_types(weights: GgufWeights) -> dict[str, str]:
+    """Tensor kind -> the GGUF type(s) the file keeps it in, for the log."""
+    found: dict[str, set[str]] = {}
+    for name, kind in weights.types.items():
+        found.setdefault(_kind(name), set()).add(kind)
+    return {k: "+".join(sorted(v)) for k, v in sorted(found.items())}
 
 
 def _write_folder(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
-    import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     where, name = str(gguf_path.parent), gguf_path.name
     try:
         tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
     except Exception as e:  # transformers' GGUF errors are untyped
         raise ModelLoadError(
             f"{gguf_path}: cannot read GGUF model ({type(e).__name__}: {e})"
         ) from None
 
-    # Weights: the dequantized float32 state dict; the tied lm_head is not stored twice.
-    config, arch_name = model.config, type(model).__name__  # e.g. LlamaForCausalLM
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    if any(not v.dtype.is_floating_point for v in state.values()):
-        raise ModelLoadError(f"{gguf_path}: transformers left some weights packed; cannot convert")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del model, state
+    # Weights: as stored (gguf_tensors); a file without output.weight ties the LM head.
+    arch = meta["general.architecture"]
+    weights = read_gguf_weights(gguf_path, arch, config.num_attention_heads, config.num_key_value_heads)
+    config.tie_word_embeddings = "lm_head.weight" not in weights.tensors
+    tensors, formats = _checkpoint(weights, config.tie_word_embeddings)
+    logger.info("%s holds %s", name, ", ".join(f"{role} {t}" for role, t in _stored_types(weights).items()))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del weights, tensors
 
-    # config.json: a plain checkpoint (no quantization_config), rope_theta also at top level.
+    # config.json: quantization_config when weights stay quantized, rope_theta also at top level.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.architectures = [arch_name]
+    config.architectures = [ARCHITECTURES[arch]]
     config.save_pretrained(out)
     raw = json.loads((out / "config.json").read_text())
     for key in ("_name_or_path", "_model_name_or_path"):
         raw.pop(key, None)
     raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    if formats:
+        raw["quantization_config"] = quantization_config(formats)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    (out / MARKER).write_text(json.dumps({"version": CONVERSION_VERSION, "source": name}) + "\n")
 
     _fix_pre_tokenizer(tok, meta.get("tokenizer.ggml.pre"))
     # save_jinja_files=False keeps the chat_template inside tokenizer_config.json

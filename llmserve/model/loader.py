@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 from pathlib import Path
 
@@ -11,7 +12,19 @@ import torch
 from llmserve.errors import ModelLoadError
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
-from llmserve.model.quantize import QUANT_METHOD, load_quantized, quantize_model
+from llmserve.model.quantize import (
+    FORMATS,
+    GGUF_NAMES,
+    QUANT_METHOD,
+    QuantizedTensor,
+    QuantLinear,
+    dequantize,
+    dequantize_model,
+    quantize_model,
+    read_quantized,
+)
+
+logger = logging.getLogger("llmserve.model")
 
 # Hugging Face name fragments that we fuse into one weight: ours <- [theirs, ...]
 FUSED = {
@@ -51,10 +64,34 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def hf_to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+Weight = torch.Tensor | QuantizedTensor  # a checkpoint weight: float, or block-quantized as stored
+
+
+def in_features(name: str, cfg: ModelConfig) -> int:
+    """The input width of checkpoint weight `name` (a linear layer's, or the embedding's)."""
+    if name.endswith("self_attn.o_proj.weight"):
+        return cfg.num_attention_heads * cfg.head_dim
+    if name.endswith("mlp.down_proj.weight"):
+        return cfg.intermediate_size
+    return cfg.hidden_size
+
+
+def read_weights(files: list[Path], cfg: ModelConfig) -> dict[str, Weight]:
+    """The checkpoint's tensors, `<name>.qweight/.scales/.mins` read as one QuantizedTensor under
+    `<name>.weight`."""
+    tensors = read_safetensors(files)
+    out: dict[str, Weight] = {}
+    for key in [k for k in tensors if k.endswith(".qweight")]:
+        name = key.removesuffix(".qweight") + ".weight"
+        out[name] = read_quantized(tensors, name, in_features(name, cfg))
+    out.update(tensors)
+    return out
+
+
+def hf_to_ours(hf: dict[str, Weight], cfg: ModelConfig, source: str) -> dict[str, Weight]:
     """Rename `model.` keys, fuse q/k/v and gate/up, check every tensor we need is present."""
     hf = {k.removeprefix("model."): v for k, v in hf.items()}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         for ours, theirs in FUSED.items():
@@ -72,14 +109,20 @@ def hf_to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> di
     return out
 
 
-def _need(tensors: dict[str, torch.Tensor], key: str, source: str) -> torch.Tensor:
+def _need(tensors: dict[str, Weight], key: str, source: str) -> Weight:
     if key not in tensors:
         raise ModelLoadError(f"{source}: tensor {key!r} is missing from the checkpoint")
     return tensors[key]
 
 
-def _fuse(tensors: dict[str, torch.Tensor], keys: list[str], source: str) -> torch.Tensor:
+def _fuse(tensors: dict[str, Weight], keys: list[str], source: str) -> Weight:
     parts = [_need(tensors, k, source) for k in keys]
+    quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+    if quantized and len(quantized) == len(parts) and len({(p.format, p.in_features) for p in quantized}) == 1:
+        return QuantizedTensor.cat(quantized)
+    if quantized:
+        logger.info("%s: %s are stored in different formats; fused, they are served as float", source, " + ".join(keys))
+        parts = [dequantize(p) if isinstance(p, QuantizedTensor) else p.float() for p in parts]
     try:
         return torch.cat(parts)
     except RuntimeError:
@@ -95,25 +138,48 @@ def _checkpoint_names(key: str) -> str:
     return repr(key)
 
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, source: str) -> LlamaForCausalLM:
+    """Our model from fused weights: float tensors load into the module, quantized ones become
+    QuantLinear layers; a quantized embedding is dequantized for the lookup and, tied, serves the
+    LM head as stored."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     for key, tensor in state.items():
-        if key in expected and tuple(tensor.shape) != tuple(expected[key]):
+        shape = (tensor.out_features, tensor.in_features) if isinstance(tensor, QuantizedTensor) else tuple(tensor.shape)
+        if key in expected and shape != tuple(expected[key]):
             raise ModelLoadError(
-                f"{source}: tensor {_checkpoint_names(key)} has shape {tuple(tensor.shape)}, "
-                f"config implies {tuple(expected[key])}"
+                f"{source}: tensor {_checkpoint_names(key)} has shape {shape}, config implies {tuple(expected[key])}"
             )
+    quantized = {k: state.pop(k) for k in [k for k, v in state.items() if isinstance(v, QuantizedTensor)]}
+    embed = quantized.pop("embed_tokens.weight", None)
+    if embed is not None:
+        logger.info("%s: the embedding is stored as %s (%s); dequantized to %s for the lookup%s", source, embed.format,
+                    GGUF_NAMES[embed.format], str(dtype).removeprefix("torch."),
+                    ", and the LM head reads it as stored" if cfg.tie_word_embeddings else "")
+        state["embed_tokens.weight"] = dequantize(embed)
+        if cfg.tie_word_embeddings:
+            quantized["lm_head.weight"] = embed
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
+    for key, weight in quantized.items():
+        parent, attr = _module_of(model, key.removesuffix(".weight"))
+        bias = state.get(key.removesuffix(".weight") + ".bias")
+        setattr(parent, attr, QuantLinear(weight, None if bias is None else bias.to(dtype)))
     model.rotary = type(model.rotary)(cfg)  # rebuild the rope buffers off the meta device
     return model.eval()
 
 
+def _module_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    parent, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), attr
+
+
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, quantize: str | None = None) -> LlamaForCausalLM:
-    """An HF folder (or a checkpoint written by `llmserve quantize`) -> our model, eval mode."""
+    """An HF folder (or a quantized checkpoint: `llmserve quantize`, a converted GGUF file) -> our
+    model, eval mode. quantize: None serves the weights as stored; `none` dequantizes every
+    layer; int8 or int4 puts every linear layer in that format (quantize.quantize_model)."""
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise ModelLoadError(f"{model_dir}: no such file or directory")
@@ -121,24 +187,15 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, quantize: st
     files = weight_files(model_dir)
     source = str(files[0] if len(files) == 1 else model_dir)  # what messages name
     if cfg.quantization not in (None, QUANT_METHOD):
-        raise ModelLoadError(f"{model_dir / 'config.json'}: unsupported quantization {cfg.quantization!r} (supported: {QUANT_METHOD})")
-    if cfg.quantization == QUANT_METHOD:
-        return _load_int8_checkpoint(cfg, read_safetensors(files), dtype, source)
-    state = hf_to_ours(read_safetensors(files), cfg, source)
+        raise ModelLoadError(f"{model_dir / 'config.json'}: unsupported quantization {cfg.quantization!r} "
+                             f"(supported: {QUANT_METHOD}; write one with `llmserve quantize`)")
+    state = hf_to_ours(read_weights(files, cfg), cfg, source)
     model = build_model(cfg, state, dtype, source)
-    return quantize_model(model, dtype) if quantize == "int8" else model
-
-
-def _load_int8_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, source: str) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")  # untie
-    load_quantized(model, state, dtype, source)
-    for key in ("embed_tokens.weight", "norm.weight"):
-        _need(state, key, source)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    model.rotary = type(model.rotary)(cfg)
-    return model.eval()
+    if quantize == "none":
+        return dequantize_model(model, dtype)
+    if quantize in FORMATS:
+        return quantize_model(model, quantize)
+    return model
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -115,7 +115,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, native: bool = False, gem
     how many were packed (0: none, where packs_correctly(dtype) is False)."""
     if not packs_correctly(dtype):
         return 0
-    layers = linear_layers(model)
+    layers = [entry for entry in linear_layers(model) if isinstance(entry[3], nn.Linear)]  # QuantLinear stays
     with torch.inference_mode():
         for parent, attr, _, layer in layers:
             setattr(parent, attr, PackedLinear(layer, native, gemv))

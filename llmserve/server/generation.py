@@ -40,6 +40,33 @@ CACHE_HEADER = "x-llmserve-cache"  # on every generation response: "hit", "seman
 SIMILARITY_HEADER = "x-llmserve-similarity"  # on a semantic hit: the cosine of the two questions
 
 
+class _Inbox:
+    """What the engine client delivers (on the loop thread) to the one task that reads it, in
+    order: an asyncio.Queue's job at half its cost per item, which is paid per token. A future
+    exists only while the reader waits."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: object) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self):
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
 @dataclass(slots=True, kw_only=True)
 class Choice(CompletionOutput):
     """One output sequence as its deltas arrive (index: prompt_index * n + sample index, as OpenAI
@@ -91,7 +118,7 @@ class Generation:
                    request=make(s.request_id, prompts[s.prompt_index], s.params, arrival, priority, lora))
             for s in fan_out(request_id, len(prompts), params)
         ]
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._inbox = _Inbox()  # (choice index, engine output or its failure), as the engine client delivers them
         self._submitted: list[str] = []  # engine request ids sent
         self._buffer: deque[tuple[int, RequestOutput]] = deque()  # first deltas, read by start()
         self.cache_key = self._cache_key(params, use_cache)
@@ -147,7 +174,7 @@ class Generation:
                 self._submitted.append(c.request.request_id)
             started: set[int] = set()
             while len(started) < len(self.choices):
-                i, item = await self._queue.get()
+                i, item = await self._inbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 started.add(i)
@@ -200,7 +227,7 @@ class Generation:
 
     def _on_output(self, index: int, item: RequestOutput | BaseException) -> None:
         """The engine client's sink for one child (loop thread): an output, or its death."""
-        self._queue.put_nowait((index, item))
+        self._inbox.put((index, item))
 
     def close(self) -> None:
         """Abort every child still running (the client ignores finished ones)."""
@@ -215,7 +242,7 @@ class Generation:
             if self._buffer:
                 i, item = self._buffer.popleft()
             else:
-                i, item = await self._queue.get()
+                i, item = await self._inbox.get()
             if isinstance(item, BaseException):
                 raise item
             choice = self.choices[i]

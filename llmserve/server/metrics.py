@@ -1,11 +1,12 @@
 """Prometheus metrics of one server (GET /metrics, text format), in a registry of their own.
 
 Feeds: `on_step(event)` runs on the server's loop per StepEvent (a step listener on the door:
-outputs, the stats after them, engine steps' durations); `on_rejected()` per 429;
-`render()` refreshes the gauges from the latest engine stats, counts the response cache's
-hits/misses/errors since the last scrape (ResponseCacheStats, the cache's own tally; the
-semantic cache's likewise), and serializes. The semantic cache times each embedding into a
-histogram itself.
+outputs, the stats after them, engine steps' durations) and observes only what the event alone
+carries (tokens, finished requests, step times); `on_rejected()` per 429; `render()` reads the
+latest engine stats once per scrape (gauges, and the cumulative counts behind the counters),
+counts the response cache's hits/misses/errors since the last scrape (ResponseCacheStats, the
+cache's own tally; the semantic cache's likewise), and serializes. The semantic cache times each
+embedding into a histogram itself.
 
 What is observed when:
 - generation tokens: every step, as tokens are emitted; prompt tokens: when a request's first
@@ -15,7 +16,7 @@ What is observed when:
   request_success{finish_reason}; aborted requests count in request_aborted_total;
 - step duration: once per engine step;
 - preemptions, prefix-cache queries/hits (in tokens), KV-store blocks and errors, response-cache
-  hits/misses/errors: deltas of cumulative stats, so the counters stay monotonic.
+  hits/misses/errors: deltas of cumulative stats at each scrape, so the counters stay monotonic.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class ServerMetrics:
         self.response_cache_errors = self.cache_errors.labels("response")
         self.semantic_cache_errors = self.cache_errors.labels("semantic")
 
-        self._last: dict[str, int] = {}  # cumulative counts at the last step / scrape
+        self._last: dict[str, int] = {}  # cumulative counts at the last scrape
+        self._latest: EngineStats | None = None  # the last step event's (when there is no stats_source)
         self._baseline(stats_source() if stats_source else None)
 
     def _baseline(self, stats: EngineStats | None) -> None:
@@ -156,32 +158,41 @@ class ServerMetrics:
     # ---- feeds -------------------------------------------------------------------------------
 
     def on_step(self, event: StepEvent) -> None:
-        """Per step event (outputs, the stats after them, engine steps' durations). A metrics
-        fault is logged, never raised into the caller."""
+        """Per step event (outputs, the stats after them, engine steps' durations): O(outputs),
+        one counter update per kind; the stats are read at the next scrape. A metrics fault is
+        logged, never raised into the caller."""
         try:
-            self._observe_step(event.outputs, event.stats, event.step_durations)
+            self._observe_step(event.outputs, event.step_durations)
+            self._latest = event.stats
         except Exception:
             logger.exception("metrics: observing a step failed")
 
-    def _observe_step(self, outputs: list[RequestOutput], stats: EngineStats, step_durations: list[float]) -> None:
-        """Tokens, finished requests, step time, stat deltas."""
+    def _observe_step(self, outputs: list[RequestOutput], step_durations: list[float]) -> None:
+        """Tokens, finished requests, step time."""
+        generated = prompt = 0
         for o in outputs:
             n_new = len(o.new_token_ids)
             if n_new:
-                self.generation_tokens.inc(n_new)
+                generated += n_new
                 if o.num_output_tokens == n_new:
-                    self.prompt_tokens.inc(o.num_prompt_tokens)
+                    prompt += o.num_prompt_tokens
             if o.finished:
                 self._on_finished(o)
+        if generated:
+            self.generation_tokens.inc(generated)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
         for d in step_durations:
             self.step.observe(d)
+
+    def _observe_stats(self, stats: EngineStats) -> None:
+        """Stat deltas since the last scrape (cumulative engine, KV-store, speculative counts)."""
         for field_name, attr in ENGINE_COUNTERS.items():
             self._inc_delta(field_name, getattr(stats, field_name), attr)
         for key, attr in KV_STORE_COUNTERS.items():
             self._inc_delta(key, stats.kv_store.get(key, 0), attr)
         for key, attr in SPEC_COUNTERS.items():
             self._inc_delta(f"spec.{key}", stats.spec_decode.get(key, 0), attr)
-        self._set_gauges(stats)
 
     def _on_finished(self, o: RequestOutput) -> None:
         if o.timeline is None:
@@ -230,9 +241,12 @@ class ServerMetrics:
             self.lora_info.labels(",".join(lora["running"]), ",".join(lora["waiting"]), str(lora["max_lora"])).set(time.time())
 
     def render(self) -> tuple[bytes, str]:
-        """(body, content type) of the Prometheus text format, gauges refreshed first."""
-        if self.stats_source is not None:
-            self._set_gauges(self.stats_source())
+        """(body, content type) of the Prometheus text format, gauges and counters refreshed
+        from the latest stats first."""
+        stats = self.stats_source() if self.stats_source is not None else self._latest
+        if stats is not None:
+            self._observe_stats(stats)
+            self._set_gauges(stats)
         self._observe_tallies()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

@@ -38,12 +38,19 @@ class _Reply:
     def __init__(self, ctx: ServerContext, gen: Generation, obj: str, include_usage: bool):
         self.ctx, self.gen, self.obj, self.include_usage = ctx, gen, obj, include_usage
         self.created = int(time.time())
+        # a stream chunk's JSON = head + choices + tail: the envelope is encoded once per response
+        head, _, tail = dumps(self.envelope([])).rpartition(b'"choices":[]')
+        self._head, self._tail = head + b'"choices":', tail
 
     def envelope(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> dict:
         body = {"id": self.gen.request_id, "object": self.obj, "created": self.created, "model": self.gen.model_name, "choices": choices}
         if final or self.include_usage:
             body["usage"] = usage
         return body
+
+    def chunk(self, choices: list[dict]) -> bytes:
+        """One stream chunk's JSON: the same bytes as dumps(self.envelope(choices))."""
+        return self._head + dumps(choices) + self._tail
 
     def usage_chunk(self) -> list[bytes]:
         return [dumps(self.envelope([], self.gen.usage()))] if self.include_usage else []
@@ -121,7 +128,7 @@ class _CompletionReply(_Reply):
             started.add(c.index)
             if not (d.text or d.finish_reason or (first and self.body.echo) or (d.token_ids and self.body.logprobs is not None)):
                 continue
-            yield dumps(self.envelope([self._choice(c, d.text, d.token_ids, d.logprobs, d.finish_reason, first)]))
+            yield self.chunk([self._choice(c, d.text, d.token_ids, d.logprobs, d.finish_reason, first)])
         for chunk in self.usage_chunk():
             yield chunk
 
@@ -205,7 +212,7 @@ class _ChatReply(_Reply):
         }
         if finish:
             choice["stop_reason"] = c.stop_reason
-        return dumps(self.envelope([choice]))
+        return self.chunk([choice])
 
     def _delta(self, c: Choice, d: Delta) -> dict:
         """The delta of one engine output: its text, or (with tools) content and finished calls."""

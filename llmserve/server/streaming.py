@@ -18,7 +18,7 @@ import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from llmserve.errors import LLMServeError
 from llmserve.server.errors import CLIENT_CLOSED_REQUEST, error_body
@@ -58,6 +58,19 @@ class GenerationStream(EventSourceResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.generation.close()
+
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        """sse-starlette's per-send wrapper opens an anyio cancel scope around every event even
+        with no send_timeout (about a tenth of the server's time per token); without a timeout
+        the event goes straight to `send`, and a send that fails is still marked interrupted (its
+        shutdown path sends nothing more then)."""
+        if self.send_timeout is not None:
+            return await super()._send_with_timeout(send, message)
+        try:
+            await send(message)
+        except BaseException:
+            self._send_interrupted = True
+            raise
 
 
 def _frame(event: Event) -> bytes:
