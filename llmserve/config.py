@@ -52,6 +52,11 @@ class EngineConfig:
     quantize: str | None = _opt(None, "weight-only quantization of the linear layers, blocks of 32 along K: int8 (Q8_0 "
                                 "layout), int4 (Q4_1); none dequantizes (default: as the checkpoint stores them, so a "
                                 "GGUF file's Q8_0/Q4_0/Q4_1 weights are served as shipped)", ("none", "int8", "int4"))
+    quant_large_steps: str = _opt(
+        "auto", "block-quantized layers' steps of more rows than the quantized GEMV takes (prefill, large batches): "
+        "packed runs a oneDNN-packed float copy of the weights (more memory), tiles dequantizes tiles into cache "
+        "for each step (auto: packed where it measured faster and the copy costs at most a quarter of the RAM)",
+        ("auto", "packed", "tiles"))
     seed: int = _opt(0, "seed of the engine's default random generator")
     num_threads: int | None = _opt(None, "torch intra-op threads (default: torch's choice)")
     speculative_method: str | None = _opt(None, "speculative decoding: ngram (prompt lookup; off by default)", ("ngram",))

@@ -16,7 +16,9 @@ Rules (`auto` everywhere):
 - weights: as the checkpoint stores them (a GGUF file's Q8_0/Q4_0/Q4_1 tensors stay block-quantized,
   int8 or int4), unless --quantize says none (dequantize), int8 or int4 (every linear layer in it);
   float where LoRA adapters are enabled. Steps of at most quant_max_rows rows run the quantized
-  GEMV, larger ones dequantized tiles and the GEMM: the crossover is measured once per machine.
+  GEMV, larger ones (quant_large_steps) a oneDNN-packed float copy of the weights where that
+  measured faster and costs at most a quarter of the RAM, dequantized tiles and the GEMM
+  otherwise: both are measured once per machine.
 - compile: inductor where it measured faster (bf16 on native-bf16 CPUs, float32 on AVX2 and
   AVX-512), except for models too small for a compile to pay back.
 - linear: oneDNN-packed weights; where the native kernels run and a second copy costs at most
@@ -56,6 +58,8 @@ ISA_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx2": 
 ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
 GEMV_MEMORY_SHARE = 8  # a plain copy of the weights for batch-1 steps, where it costs at most 1/8 of the RAM
+QUANT_COPY_MEMORY_SHARE = 4  # a packed float copy of quantized weights for large steps: at most 1/4 of the RAM
+QUANT_LARGE_ROWS = (32, 256)  # the large steps measured: a decode batch, a prefill chunk
 MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
 GEMV_PREFETCH_BYTES = (0, 1024, 2048, 4096, 8192)  # the software prefetch distances measured
 GEMV_PROBE_BYTES = 512 << 20  # the most weight bytes they are measured over (a larger model is past any cache)
@@ -141,6 +145,7 @@ class ExecutionPlan:
     gemv_max_rows: Choice  # packed layers' steps of at most this many rows run llmserve::gemv: 0 ... 16
     weights: Choice  # what the linear layers hold: float | int8 | int4 | int4+int8 (mixed) ...
     quant_max_rows: Choice  # quantized layers' steps of at most this many rows run the quantized GEMV: 0 ... 16
+    quant_large_steps: Choice  # their larger steps: packed (a oneDNN-packed float copy) | tiles | none
     cudagraph_mode: Choice  # none | full_decode_only (CUDA graphs for pure decode steps; not built yet)
 
     @property
@@ -208,10 +213,14 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     quant_rows = Choice("0", "no quantized layers" if weights.value == "float" else "no native kernels: torch dequantizes")
     if weights.value != "float" and attention.value == "native":
         fmt = "int4" if "int4" in weights.value else "int8"  # the decoder linears' (int4 beside an int8 LM head)
-        quant_rows = measured_quant_max_rows(isa.value, DTYPES[dtype.value], fmt, int(prefetch.value), model_config)
+        large = _quant_large_steps(config.quant_large_steps, isa.value, DTYPES[dtype.value], fmt, model_config)
+        quant_rows = measured_quant_max_rows(isa.value, DTYPES[dtype.value], fmt, int(prefetch.value), model_config,
+                                             large.value)
+    else:
+        large = Choice("none", quant_rows.reason)
     graphs = Choice("none", "--enforce-eager" if config.enforce_eager else "CUDA graphs run on NVIDIA GPUs only")
     return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch, rows, weights,
-                         quant_rows, graphs)
+                         quant_rows, large, graphs)
 
 
 def _weights(config, model_config) -> Choice:
@@ -265,7 +274,7 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo, model_formats: tuple[str, ...] 
                          Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"),
                          Choice("0", "no llmserve::gemv on a GPU"), Choice("0", "no llmserve::gemv on a GPU"),
                          _gpu_weights(model_formats), Choice("0", "no quantized layers on a GPU"),
-                         _cudagraph_mode(config))
+                         Choice("none", "no quantized layers on a GPU"), _cudagraph_mode(config))
 
 
 def _gpu_weights(stored: tuple[str, ...]) -> Choice:
@@ -404,15 +413,44 @@ def measured_gemv_max_rows(isa: str, dtype: torch.dtype, prefetch: int, model_co
     return Choice(str(rows), f"auto: measured gemv against oneDNN, ms over the model's {name} linears ({isa}): {figures}")
 
 
-def measured_quant_max_rows(isa: str, dtype: torch.dtype, fmt: str, prefetch: int, model_config) -> Choice:
-    """The most rows a step may have and still run the quantized GEMV (rather than a dequantized
-    tile and the GEMM): the longest run of GEMV_ROWS at which it was never slower, over `fmt`
-    weights of the model's shapes; measured once per (ISA, dtype, format, threads, shapes)."""
-    name = str(dtype).removeprefix("torch.")
+def measured_quant_max_rows(isa: str, dtype: torch.dtype, fmt: str, prefetch: int, model_config,
+                            large: str = "tiles") -> Choice:
+    """The most rows a step may have and still run the quantized GEMV (rather than the `large`
+    path: dequantized tiles and the GEMM, or the packed float copy): the longest run of GEMV_ROWS
+    at which it was never slower, over `fmt` weights of the model's shapes; measured once per
+    (ISA, dtype, format, threads, shapes, large path)."""
+    name, other = str(dtype).removeprefix("torch."), "tile" if large == "tiles" else "packed"
     key = f"quant_max_rows:{isa}:{name}:{fmt}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{prefetch}B:{GEMV_ROWS}"
-    rows, figures = _rows_won(_measured(key, isa, lambda: _time_quant_rows(dtype, fmt, prefetch, model_config)), "tile")
-    return Choice(str(rows), f"auto: measured the quantized GEMV against dequantized tiles and the GEMM, ms over the "
+    key += "" if other == "tile" else ":packed"
+    measured = _measured(key, isa, lambda: _time_quant_rows(dtype, fmt, prefetch, model_config, other))
+    rows, figures = _rows_won(measured, other)
+    against = "dequantized tiles and the GEMM" if other == "tile" else "the packed copy"
+    return Choice(str(rows), f"auto: measured the quantized GEMV against {against}, ms over the "
                              f"model's linears in {fmt} ({name}, {isa}): {figures}")
+
+
+def _quant_large_steps(asked: str, isa: str, dtype: torch.dtype, fmt: str, model_config) -> Choice:
+    """packed (a oneDNN-packed float copy beside the quantized weights) or tiles, for steps of
+    more rows than quant_max_rows: as asked, else packed where it measured faster over the model's
+    shapes and the copy costs at most 1/QUANT_COPY_MEMORY_SHARE of the RAM."""
+    name = str(dtype).removeprefix("torch.")
+    copy_mb = approx_params(model_config) * dtype.itemsize / 1e6
+    from llmserve.model.packed import packs_correctly
+
+    if not packs_correctly(dtype):
+        return Choice("tiles", "oneDNN weight packing is unavailable in this torch build or CPU")
+    if asked != "auto":
+        return Choice(asked, "asked for" + (f" (a {name} copy of about {copy_mb:.0f} MB)" if asked == "packed" else ""))
+    if copy_mb * 1e6 > physical_memory() // QUANT_COPY_MEMORY_SHARE:
+        return Choice("tiles", f"auto: a {name} copy ({copy_mb:.0f} MB) would take more than "
+                               f"1/{QUANT_COPY_MEMORY_SHARE} of the RAM")
+    key = f"quant_large_steps:{isa}:{name}:{fmt}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{QUANT_LARGE_ROWS}"
+    ms = _measured(key, isa, lambda: _time_quant_large(dtype, fmt, model_config))
+    tiles, packed = (sum(ms[f"{k}@{m}"] for m in QUANT_LARGE_ROWS) for k in ("tile", "packed"))
+    figures = ", ".join(f"{m} rows {ms[f'tile@{m}']:.2f} vs {ms[f'packed@{m}']:.2f}" for m in QUANT_LARGE_ROWS)
+    return Choice("packed" if packed < tiles else "tiles",
+                  f"auto: measured dequantized tiles against a oneDNN-packed {name} copy (about {copy_mb:.0f} MB more), "
+                  f"ms over the model's linears in {fmt} ({isa}): {figures}")
 
 
 def _rows_won(measured: dict[str, float], other: str) -> tuple[int, str]:
@@ -536,30 +574,80 @@ def _time_gemv_rows(dtype: torch.dtype, prefetch: int, model_config, rounds: int
         kernels.set_gemv_prefetch(before)
 
 
-def _time_quant_rows(dtype: torch.dtype, fmt: str, prefetch: int, model_config, rounds: int = 5) -> dict[str, float]:
-    """llmserve::quant_linear with the GEMV and with the tile path, over `fmt` probe weights (a
-    quarter of the float probe's bytes at most), at each row count in GEMV_ROWS."""
-    from llmserve import kernels
+def _quant_probe(fmt: str, model_config) -> list:
+    """`fmt` probe weights: a quarter of the float probe's layers at most."""
     from llmserve.model.quantize import quantize
 
-    ws = [quantize(w, fmt) for w in _probe_weights(torch.float32, model_config)[: 4 * max(1, model_config.num_hidden_layers // 4)]]
-    xs = {(m, k): torch.randn(m, k).to(dtype) for m in GEMV_ROWS for k in {w.in_features for w in ws}}
-    before = (kernels.gemv_prefetch(), kernels.quant_max_rows())
-    kernels.set_gemv_prefetch(prefetch)
+    return [quantize(w, fmt) for w in _probe_weights(torch.float32, model_config)[: 4 * max(1, model_config.num_hidden_layers // 4)]]
 
-    def at(m: int, limit: int) -> Callable[[], None]:
+
+def _quant_runs(ws: list, dtype: torch.dtype, rows: tuple[int, ...]) -> dict[str, Callable[[int], Callable[[], None]]]:
+    """Over the quantized probe weights `ws`, for a row count M: llmserve::quant_linear as the
+    kernels stand (`quant`), and oneDNN's packed linear over the same weights dequantized
+    (`packed`)."""
+    from llmserve.model.quantize import dequantize
+
+    packed = [torch.ops.mkldnn._reorder_linear_weight(dequantize(w).to(dtype), 64) for w in ws]
+    xs = {(m, k): torch.randn(m, k).to(dtype) for m in rows for k in {w.in_features for w in ws}}
+
+    def quant(m: int) -> Callable[[], None]:
         def run() -> None:
-            kernels.set_quant_max_rows(limit)
             for w in ws:
                 torch.ops.llmserve.quant_linear(xs[m, w.in_features], w.q, w.d, w.m, None, w.in_features)
         return run
 
+    def onednn(m: int) -> Callable[[], None]:
+        def run() -> None:
+            for w, p in zip(ws, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(xs[m, w.in_features], p, None, "none", [], "")
+        return run
+
+    return {"quant": quant, "packed": onednn}
+
+
+def _time_quant_rows(dtype: torch.dtype, fmt: str, prefetch: int, model_config, other: str = "tile",
+                     rounds: int = 5) -> dict[str, float]:
+    """llmserve::quant_linear's GEMV (`gemv@M`) against its tile path or the packed copy
+    (`<other>@M`), over `fmt` probe weights, at each row count in GEMV_ROWS."""
+    from llmserve import kernels
+
+    runs = _quant_runs(_quant_probe(fmt, model_config), dtype, GEMV_ROWS)
+    before = (kernels.gemv_prefetch(), kernels.quant_max_rows())
+    kernels.set_gemv_prefetch(prefetch)
+
+    def at(m: int, limit: int | None) -> Callable[[], None]:
+        if limit is None:
+            return runs["packed"](m)
+        run = runs["quant"](m)
+
+        def limited() -> None:
+            kernels.set_quant_max_rows(limit)
+            run()
+        return limited
+
+    paths = (("gemv", 16), (other, 0 if other == "tile" else None))
     try:
         with torch.inference_mode():
-            return _interleaved({f"{k}@{m}": at(m, lim) for m in GEMV_ROWS for k, lim in (("gemv", 16), ("tile", 0))}, rounds)
+            return _interleaved({f"{k}@{m}": at(m, lim) for m in GEMV_ROWS for k, lim in paths}, rounds)
     finally:
         kernels.set_gemv_prefetch(before[0])
         kernels.set_quant_max_rows(before[1])
+
+
+def _time_quant_large(dtype: torch.dtype, fmt: str, model_config, rounds: int = 3) -> dict[str, float]:
+    """llmserve::quant_linear's tile path (`tile@M`), and oneDNN's packed linear over the same
+    weights dequantized (`packed@M`), at each row count in QUANT_LARGE_ROWS."""
+    from llmserve import kernels
+
+    runs = _quant_runs(_quant_probe(fmt, model_config), dtype, QUANT_LARGE_ROWS)
+    before = kernels.quant_max_rows()
+    kernels.set_quant_max_rows(0)
+    try:
+        with torch.inference_mode():
+            return _interleaved({f"{k}@{m}": runs[path](m) for m in QUANT_LARGE_ROWS
+                                 for k, path in (("tile", "quant"), ("packed", "packed"))}, rounds)
+    finally:
+        kernels.set_quant_max_rows(before)
 
 
 def _time_decode(kv_dtype: torch.dtype, c, num_seqs: int, context: int, reps: int = 5) -> float:

@@ -14,7 +14,6 @@ from llmserve import LLM, SamplingParams
 from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.loader import load_model
 from llmserve.model.resolve import default_gguf_path
-from llmserve.paths import cache_dir
 
 ENGLISH = (Path(__file__).parent / "data" / "english.txt").read_text()
 
@@ -83,6 +82,20 @@ STEPS = [
     ([], [([1, 2, 3], 9, 37)]),  # a continued chunk: 28 tokens already cached
     ([([6], 5), ([7, 8], 30)], [([1, 2], 20, 20), ([3, 4, 5], 11, 44)]),  # mixed
 ]
+
+
+def test_each_compiled_engine_runs_its_own_model(model_factory):
+    """Two engines in one process over models of one shape and other weights: each compiled step
+    graph gives its own model's eager tokens (the graph skips guards on the model's modules, so a
+    graph shared between them would run the first model's packed weights for both)."""
+    ps = [list(range(3, 3 + n)) for n in (5, 17, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first, second = model_factory("tiny", 0), model_factory("tiny", 1)
+    compiled = [LLM(m, dtype="float32", compile="inductor", max_num_seqs=4) for m in (first, second)]
+    eager = [LLM(m, dtype="float32", max_num_seqs=4) for m in (first, second)]
+    want = [[o.token_ids for o in e.generate(ps, params)] for e in eager]
+    assert want[0] != want[1]
+    assert [[o.token_ids for o in c.generate(ps, params)] for c in compiled] == want
 
 
 def step_logits_match_eager(runner, model, bs: int, decodes, chunks, num_blocks: int) -> None:

@@ -437,6 +437,34 @@ def poison(w, width: int) -> None:
             tail[:, j % 16] |= 0x0F if j < 16 else 0xF0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_sends_large_steps_to_its_packed_copy(op, dtype):
+    """A layer with a oneDNN-packed float copy (quant_large_steps packed) runs steps of more than
+    quant_max_rows rows on it, fewer on the quantized bytes: both equal x @ dequantize(w)^T. The
+    copy is told apart by its weights: it holds twice the dequantized weight."""
+    from torch import nn
+
+    from llmserve.model.packed import PackedLinear
+    from llmserve.model.quantize import dequantize, quantize
+
+    g = torch.Generator().manual_seed(5)
+    w = quantize(torch.randn(48, 96, generator=g), "int4")
+    dense = nn.Linear(96, 48, bias=False)
+    dense.weight = nn.Parameter((2 * dequantize(w)).to(dtype), requires_grad=False)
+    with torch.inference_mode():
+        copy = PackedLinear(dense, native=True)
+    before = kernels.quant_max_rows()
+    try:
+        kernels.set_quant_max_rows(4)
+        for rows, scale in ((3, 1), (4, 1), (5, 2), (40, 2)):
+            x = torch.randn(rows, 96, generator=g).to(dtype)
+            got = torch.ops.llmserve.quant_linear(x, w.q, w.d, w.m, None, 96, copy.handle).double()
+            want = scale * (x.double() @ dequantize(w).double().T)
+            assert (got - want).abs().max() <= 2e-2 * want.abs().max(), (rows, dtype)
+    finally:
+        kernels.set_quant_max_rows(before)
+
+
 def test_quant_linear_refuses_what_does_not_fit(op):
     from llmserve.model.quantize import quantize
 

@@ -30,9 +30,12 @@ def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmserve.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def engine(model: str | Path, **options) -> LLM:
+    return LLM(str(model), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, **options)
+
+
 def tokens(model: str | Path, **options) -> list[list[int]]:
-    llm = LLM(str(model), dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, **options)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return [o.token_ids for o in engine(model, **options).generate(PROMPTS, GREEDY)]
 
 
 def layer_formats(model: torch.nn.Module) -> set[str]:
@@ -64,11 +67,17 @@ def test_a_quantize_checkpoint_is_stored_quantized(checkpoint):
         assert sum(t.numel() * t.element_size() for t in parts) == stored[key.replace("qweight", "scales")].numel() * per_block
 
 
-@pytest.mark.parametrize("compile", ["none", "inductor"])
-def test_quantized_tokens_equal_the_dequantized_float32_model(checkpoint, compile):
+@pytest.mark.parametrize("compile,large", [("none", "tiles"), ("none", "packed"), ("inductor", "packed")])
+def test_quantized_tokens_equal_the_dequantized_float32_model(checkpoint, compile, large):
+    """Prefill chunks and the 8-row decode steps run the large-step path (dequantized tiles, or
+    the packed float copy); the steps of fewer rows than quant_max_rows the quantized GEMV."""
     fmt, folder = checkpoint
     reference = tokens(folder, quantize="none")  # the same weights, dequantized, through nn.Linear
-    assert tokens(folder, compile=compile) == reference
+    llm = engine(folder, compile=compile, quant_large_steps=large)
+    assert llm.engine.plan.quant_large_steps.value == large
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all((m.packed >= 0) == (large == "packed") for m in layers)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
 def test_quantize_flag_equals_a_quantize_checkpoint(checkpoint, tiny_model):

@@ -30,7 +30,7 @@ from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
 from llmserve.model.compile import StepGraph
 from llmserve.model.config import ModelConfig
 from llmserve.model.llama import LlamaForCausalLM
-from llmserve.model.packed import pack_linears
+from llmserve.model.packed import pack_linears, pack_quantized_copies
 from llmserve.model.quantize import use_native_quant
 from llmserve.plan import ExecutionPlan
 
@@ -94,6 +94,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed)
         self.step_graph: StepGraph | None = None  # set by setup_execution for --compile inductor
+        self.float_copies: list = []  # quantized layers' packed float copies (plan.quant_large_steps packed)
         self.unified_attention = False  # every step's rows through llmserve::paged_attention (the Triton kernels)
         self.lora: LoRAManager | None = None  # --enable-lora: places each step's adapters in the model's slots
 
@@ -120,6 +121,10 @@ class ModelRunner:
         quantized = use_native_quant(self.model, plan.native)
         if quantized:
             logger.info("block-quantized linear layers (%s): %d", plan.weights.value, quantized)
+        if plan.native and plan.quant_large_steps.value == "packed":  # before the graph compiles: it holds the handles
+            self.float_copies = pack_quantized_copies(self.model, plan.torch_dtype)
+            logger.info("block-quantized layers with a packed %s copy for large steps: %d", plan.dtype.value,
+                        len(self.float_copies))
         self.model.use_native_attention(plan.native)
         self.model.use_native_lora(plan.native)
         linear = plan.linear_backend.value

@@ -121,7 +121,8 @@ def gemv_max_rows() -> int:
 
 def set_quant_max_rows(rows: int) -> None:
     """Quantized layers run steps of at most `rows` rows through the quantized GEMV, larger ones
-    through a dequantized tile and the GEMM (kernels/quant_linear.cpp)."""
+    through their packed float copy where they have one, else a dequantized tile and the GEMM
+    (kernels/quant_linear.cpp)."""
     torch.ops.llmserve.set_quant_max_rows(rows)
 
 
@@ -137,7 +138,7 @@ def _register_fake() -> None:
         return torch.empty_like(q)
 
     @torch.library.register_fake("llmserve::quant_linear")
-    def _(x, q, d, m, bias, in_features):
+    def _(x, q, d, m, bias, in_features, packed=-1):
         return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake("llmserve::paged_attention")

@@ -33,6 +33,7 @@ using llmserve::KvType;
 #include "gemv_kernel.h"
 #include "lora_kernel.h"
 #include "quant_kernel.h"
+#include "quant_dpbf16.h"
 
 // bf16 queries against bf16 rows: bf16 x bf16 products are exact in fp32, so only the summation
 // order differs from the fp32 path; the scale is applied to the sums. q [g, hd] raw bf16.
@@ -69,6 +70,7 @@ GemvFn pick_gemv_avx512(KvType weight) { return gemv_variant(weight); }
 LoraBlockFn pick_lora_avx512(KvType weight) { return lora_variant(weight); }
 QGemvFn pick_qgemv_avx512(bool int4) { return qgemv_variant(int4); }
 QDequantFn pick_qdequant_avx512() { return &qdequant; }
+QGemvBf16Fn pick_qgemv_dpbf16() { return &qgemv_dpbf16; }
 
 DecodeFn pick_avx512(KvType kv, bool q_bf16, bool dpbf16, int64_t hd) {
   const bool dp = kv == KvType::kBFloat16 && q_bf16 && dpbf16;

@@ -43,6 +43,10 @@ void packed_release(int64_t handle) {
   table.erase(handle);
 }
 
+}  // namespace
+
+namespace llmserve {
+
 at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
   Packed p;
   {
@@ -65,7 +69,7 @@ at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
   return stack.back().toTensor();
 }
 
-}  // namespace
+}  // namespace llmserve
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("packed_register(int handle, Tensor weight, Tensor? bias, Tensor? plain) -> ()");
@@ -73,7 +77,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("onednn_linear(Tensor x, int handle) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("onednn_linear", &onednn_linear); }
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("onednn_linear", &llmserve::onednn_linear); }
 TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
   m.impl("packed_register", &packed_register);
   m.impl("packed_release", &packed_release);

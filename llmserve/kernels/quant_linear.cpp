@@ -1,8 +1,12 @@
 // llmserve::quant_linear(x [M, in], q, d, m?, bias?, in) -> [M, out]: a linear layer over a
 // block-quantized weight (quant.h: int8 = Q8_0, int4 = Q4_1), read as stored.
 //   M <= quant_max_rows(): the quantized GEMV (the ISA variant, or the portable loop), output rows
-//       split across threads in contiguous runs; bound by reading the packed bytes once.
-//   more rows (prefill, large batches): each thread dequantizes a tile of output rows into a
+//       split across threads in contiguous runs; bound by reading the packed bytes once. int4
+//       weights under bf16 activations take the AVX512-BF16 dot product where the CPU has it
+//       (quant_dpbf16.h), up to kQDotMaxRows rows.
+//   more rows (prefill, large batches), where the layer has a oneDNN-packed float copy (packed:
+//       its handle, llmserve.model.packed; the plan's quant_large_steps): llmserve::onednn_linear.
+//   more rows otherwise: each thread dequantizes a tile of output rows into a
 //       buffer that stays in its cache (fp32, or bf16 for bf16 activations) and runs the BLAS GEMM
 //       on it: tile [n, in] x x^T -> rows of y^T.
 // llmserve::quant_dequant(q, d, m?, in, bf16) -> [out, in]: the dequantized weight (the same
@@ -19,6 +23,10 @@
 
 #include "gemv.h"
 #include "quant.h"
+
+namespace llmserve {
+at::Tensor onednn_linear(const at::Tensor& x, int64_t handle);  // packed_linear.cpp
+}
 
 namespace {
 
@@ -104,18 +112,32 @@ QWeight checked(const at::Tensor& q, const at::Tensor& d, const std::optional<at
                  int4 ? static_cast<const uint16_t*>(m->data_ptr()) : nullptr, in, kb, q.size(1)};
 }
 
+// int4 weights, bf16 activations, few rows, a CPU with AVX512-BF16: the bf16 dot-product GEMV
+bool dpbf16_path(const at::Tensor& x, const QWeight& w) {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has && w.int4() && x.scalar_type() == at::kBFloat16 && x.size(0) <= llmserve::kQDotMaxRows &&
+         llmserve::current_isa() == llmserve::kAvx512;
+}
+
 at::Tensor gemv_path(const at::Tensor& x, const QWeight& w, int64_t out, const std::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const bool dot = dpbf16_path(x, w);  // reads x as bf16; the others as fp32
+  const at::Tensor xc = dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
-  at::Tensor y = at::empty({m, out}, xf.options());
-  const llmserve::QGemvFn fn = pick_gemv(w.int4());
-  const float* xp = xf.data_ptr<float>();
+  at::Tensor y = at::empty({m, out}, x.options().dtype(at::kFloat));
   const float* bp = bf ? bf->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t pf = llmserve::gemv_prefetch_bytes();
   const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
-  at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out, pf); });
+  if (dot) {
+    const llmserve::QGemvBf16Fn fn = llmserve::pick_qgemv_dpbf16();
+    const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
+    at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out); });
+  } else {
+    const llmserve::QGemvFn fn = pick_gemv(w.int4());
+    const float* xp = xc.data_ptr<float>();
+    const int64_t pf = llmserve::gemv_prefetch_bytes();
+    at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out, pf); });
+  }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -151,13 +173,14 @@ at::Tensor tile_path(const at::Tensor& x, const QWeight& w, int64_t out, const s
 namespace llmserve {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                        const std::optional<at::Tensor>& bias, int64_t in) {
+                        const std::optional<at::Tensor>& bias, int64_t in, int64_t packed) {
   const QWeight w = checked(q, d, m, in);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "quant_linear: x [M, ", in, "]");
   const int64_t out = q.size(0);
   TORCH_CHECK(!bias || bias->numel() == out, "quant_linear: bias [out]");
   if (x.size(0) == 0) return at::empty({0, out}, x.options());
-  return x.size(0) <= max_rows.load(std::memory_order_relaxed) ? gemv_path(x, w, out, bias) : tile_path(x, w, out, bias);
+  if (x.size(0) <= max_rows.load(std::memory_order_relaxed)) return gemv_path(x, w, out, bias);
+  return packed >= 0 ? onednn_linear(x, packed) : tile_path(x, w, out, bias);
 }
 
 at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t in,
@@ -174,7 +197,7 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& d, const std::op
 }  // namespace llmserve
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
-  m.def("quant_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int in_features) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int in_features, int packed=-1) -> Tensor");
   m.def("quant_dequant(Tensor q, Tensor d, Tensor? m, int in_features, bool bf16) -> Tensor");
   m.def("set_quant_max_rows(int rows) -> ()");
   m.def("quant_max_rows() -> int");

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.model.quantize import linear_layers
+from llmserve.model.quantize import QuantLinear, dequantize, linear_layers
 
 logger = logging.getLogger("llmserve.model")
 BATCH_HINT = 64  # oneDNN picks the packed layout for this many rows; any row count works
@@ -124,3 +124,23 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, native: bool = False, gem
     for p in model.parameters():
         p.data = p.data.clone()
     return len(layers)
+
+
+def pack_quantized_copies(model: nn.Module, dtype: torch.dtype) -> list[PackedLinear]:
+    """Give every native QuantLinear a oneDNN-packed `dtype` copy of its dequantized weight, for
+    the steps of more rows than quant_max_rows (prefill, large batches), which then run oneDNN's
+    GEMM as a float model's do, at the cost of that copy's memory; steps of fewer rows still read
+    the quantized bytes. Returns the copies, which the caller keeps as long as the model (each
+    handle is released with its copy); none where oneDNN cannot pack `dtype` here."""
+    if not packs_correctly(dtype):
+        return []
+    copies = []
+    with torch.inference_mode():
+        for layer in [m for m in model.modules() if isinstance(m, QuantLinear) and m.native]:
+            dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+            dense.weight = nn.Parameter(dequantize(layer.quantized).to(dtype), requires_grad=False)
+            if layer.bias is not None:
+                dense.bias = nn.Parameter(layer.bias.to(dtype), requires_grad=False)
+            copies.append(PackedLinear(dense, native=True))
+            layer.packed = copies[-1].handle
+    return copies

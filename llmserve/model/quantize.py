@@ -119,6 +119,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("mins", None if weight.m is None else weight.m.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.native = native
+        self.packed = -1  # a oneDNN-packed float copy's handle, for steps above quant_max_rows (model/packed.py)
 
     @property
     def quantized(self) -> QuantizedTensor:
@@ -126,7 +127,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.native:
-            return torch.ops.llmserve.quant_linear(x, self.qweight, self.scales, self.mins, self.bias, self.in_features)
+            return torch.ops.llmserve.quant_linear(x, self.qweight, self.scales, self.mins, self.bias, self.in_features,
+                                                   self.packed)
         return F.linear(x, dequantize(self.quantized).to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
