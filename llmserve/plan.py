@@ -206,13 +206,16 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     compile_ = _compile(config.compile, dtype, cpu, model_config)
     linear = _linear(weights, dtype, attention, model_config)
     prefetch = rows = Choice("0", "no llmserve::gemv in this plan")
-    if "gemv" in linear.value or (weights.value != "float" and attention.value == "native"):
+    quantized = weights.value != "float" and attention.value == "native"
+    fmt = "int4" if "int4" in weights.value else "int8"  # the decoder linears' (int4 beside an int8 LM head)
+    if "gemv" in linear.value:
         prefetch = measured_gemv_prefetch(isa.value, DTYPES[dtype.value], model_config)
+    elif quantized:
+        prefetch = measured_gemv_prefetch(isa.value, DTYPES[dtype.value], model_config, fmt)
     if linear.value.endswith("+gemv"):
         rows = measured_gemv_max_rows(isa.value, DTYPES[dtype.value], int(prefetch.value), model_config)
     quant_rows = Choice("0", "no quantized layers" if weights.value == "float" else "no native kernels: torch dequantizes")
-    if weights.value != "float" and attention.value == "native":
-        fmt = "int4" if "int4" in weights.value else "int8"  # the decoder linears' (int4 beside an int8 LM head)
+    if quantized:
         large = _quant_large_steps(config.quant_large_steps, isa.value, DTYPES[dtype.value], fmt, model_config)
         quant_rows = measured_quant_max_rows(isa.value, DTYPES[dtype.value], fmt, int(prefetch.value), model_config,
                                              large.value)
@@ -392,15 +395,20 @@ def measured_kv_cache_dtype(isa: str, model_config, num_seqs: int = 32, context:
                         f"bfloat16 ({num_seqs} x {context} tokens, {isa})")
 
 
-def measured_gemv_prefetch(isa: str, dtype: torch.dtype, model_config) -> Choice:
-    """llmserve::gemv's software prefetch distance (bytes; 0: none), the fastest over weights of
-    the model's shapes; measured once per (ISA, dtype, threads, shapes)."""
+def measured_gemv_prefetch(isa: str, dtype: torch.dtype, model_config, fmt: str = "float") -> Choice:
+    """The GEMV's software prefetch distance (bytes; 0: none), the fastest over weights of the
+    model's shapes: llmserve::gemv over `dtype` weights, or with `fmt` int8|int4 the quantized
+    GEMV over weights in that format; measured once per (ISA, dtype, format, threads, shapes)."""
     name = str(dtype).removeprefix("torch.")
     key = f"gemv_prefetch:{isa}:{name}:{torch.get_num_threads()}t:{_shapes_key(model_config)}:{GEMV_PREFETCH_BYTES}"
-    ms = _measured(key, isa, lambda: _time_gemv(dtype, model_config))
+    key += "" if fmt == "float" else f":{fmt}:every-layer"
+    measure = (lambda: _time_gemv(dtype, model_config)) if fmt == "float" else \
+        (lambda: _time_quant_prefetch(dtype, fmt, model_config))
+    ms = _measured(key, isa, measure)
     best = min(ms, key=ms.get)
     figures = ", ".join(f"{k} B {v:.2f} ms" for k, v in sorted(ms.items(), key=lambda kv: int(kv[0])))
-    return Choice(best, f"auto: measured a batch-1 gemv over the model's {name} linears ({isa}): {figures}")
+    what = f"the model's {name} linears" if fmt == "float" else f"the model's linears in {fmt} ({name} activations)"
+    return Choice(best, f"auto: measured a batch-1 gemv over {what} ({isa}): {figures}")
 
 
 def measured_gemv_max_rows(isa: str, dtype: torch.dtype, prefetch: int, model_config) -> Choice:
@@ -574,11 +582,13 @@ def _time_gemv_rows(dtype: torch.dtype, prefetch: int, model_config, rounds: int
         kernels.set_gemv_prefetch(before)
 
 
-def _quant_probe(fmt: str, model_config) -> list:
-    """`fmt` probe weights: a quarter of the float probe's layers at most."""
+def _quant_probe(fmt: str, model_config, every_layer: bool = False) -> list:
+    """`fmt` probe weights: a quarter of the float probe's layers at most, or `every_layer` (the
+    float probe's; so that, as in the model, they do not fit in the last-level cache)."""
     from llmserve.model.quantize import quantize
 
-    return [quantize(w, fmt) for w in _probe_weights(torch.float32, model_config)[: 4 * max(1, model_config.num_hidden_layers // 4)]]
+    ws = _probe_weights(torch.float32, model_config)
+    return [quantize(w, fmt) for w in (ws if every_layer else ws[: 4 * max(1, model_config.num_hidden_layers // 4)])]
 
 
 def _quant_runs(ws: list, dtype: torch.dtype, rows: tuple[int, ...]) -> dict[str, Callable[[int], Callable[[], None]]]:
@@ -603,6 +613,28 @@ def _quant_runs(ws: list, dtype: torch.dtype, rows: tuple[int, ...]) -> dict[str
         return run
 
     return {"quant": quant, "packed": onednn}
+
+
+def _time_quant_prefetch(dtype: torch.dtype, fmt: str, model_config, rounds: int = 5) -> dict[str, float]:
+    """A batch-1 quantized GEMV over `fmt` probe weights, per prefetch distance."""
+    from llmserve import kernels
+
+    run = _quant_runs(_quant_probe(fmt, model_config, every_layer=True), dtype, (1,))["quant"](1)
+    before = (kernels.gemv_prefetch(), kernels.quant_max_rows())
+    kernels.set_quant_max_rows(1)
+
+    def at(d: int) -> Callable[[], None]:
+        def timed() -> None:
+            kernels.set_gemv_prefetch(d)
+            run()
+        return timed
+
+    try:
+        with torch.inference_mode():
+            return _interleaved({str(d): at(d) for d in GEMV_PREFETCH_BYTES}, rounds)
+    finally:
+        kernels.set_gemv_prefetch(before[0])
+        kernels.set_quant_max_rows(before[1])
 
 
 def _time_quant_rows(dtype: torch.dtype, fmt: str, prefetch: int, model_config, other: str = "tile",

@@ -36,10 +36,10 @@ inline void qpair_layout(const uint16_t* x, int64_t m, int64_t in, int64_t pairs
   }
 }
 
-// y[r * out] = x[r] . w_row + bias for r < M
+// y[r * out] = x[r] . w_row + bias for r < M, rounded to bf16
 template <int M>
 inline void qdot_row(const uint16_t* x, const uint16_t* xp, const float* xs, int64_t in, int64_t pairs, const uint8_t* qr,
-                     const uint16_t* dr, const uint16_t* mr, int64_t kb, float bias, float* y, int64_t out) {
+                     const uint16_t* dr, const uint16_t* mr, int64_t kb, float bias, uint16_t* y, int64_t out, int64_t pf) {
   const __m512i low = _mm512_set1_epi16(15), magic = _mm512_set1_epi16(0x4300);
   __m512 acc[M], corr[M];
   LLMSERVE_UNROLL for (int r = 0; r < M; ++r) acc[r] = corr[r] = _mm512_setzero_ps();
@@ -47,11 +47,16 @@ inline void qdot_row(const uint16_t* x, const uint16_t* xp, const float* xs, int
     const int np = static_cast<int>(std::min<int64_t>(8, pairs - p0));
     const __mmask16 lanes = static_cast<__mmask16>((1u << (2 * np)) - 1);
     const int64_t b0 = 2 * p0;
+    if (pf > 0) {  // the scales, pf / 8 bytes ahead (they are an eighth of the packed bytes)
+      __builtin_prefetch(reinterpret_cast<const char*>(dr + b0) + pf / 8, 0, 3);
+      __builtin_prefetch(reinterpret_cast<const char*>(mr + b0) + pf / 8, 0, 3);
+    }
     const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, dr + b0));
     const __m512 c = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, mr + b0)));
     LLMSERVE_UNROLL for (int r = 0; r < M; ++r) corr[r] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(lanes, xs + r * kb + b0), corr[r]);
     for (int j = 0; j < np; ++j) {
       const int64_t p = p0 + j;
+      if (pf > 0 && (j & 1) == 0) __builtin_prefetch(qr + p * 32 + pf, 0, 3);  // a line every two pairs
       const __m512i wd = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + p * 32)));
       const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(wd, low, magic, 0xEA);  // (wd & low) | magic
       const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(wd, 4), magic);
@@ -69,12 +74,12 @@ inline void qdot_row(const uint16_t* x, const uint16_t* xp, const float* xs, int
   for (int r = 0; r < M; ++r) {
     float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], corr[r])) + bias;
     for (int64_t k = 2 * pairs * llmserve::kQBlock; k < in; ++k) s += scalar(x[r * in + k]) * qscalar<true>(qr, dr, mr, k);
-    y[r * out] = s;
+    put(y + r * out, s);
   }
 }
 
 void qgemv_dpbf16(const uint16_t* x, int64_t m, const llmserve::QWeight& w, const float* bias, int64_t o0, int64_t o1,
-                  float* y, int64_t out) {
+                  uint16_t* y, int64_t out, int64_t pf) {
   const int64_t pairs = w.in / llmserve::kQBlock / 2;
   thread_local std::vector<uint16_t> xp;
   thread_local std::vector<float> xs;
@@ -87,10 +92,10 @@ void qgemv_dpbf16(const uint16_t* x, int64_t m, const llmserve::QWeight& w, cons
     const uint16_t* mr = w.m + o * w.kb;
     const float b = bias ? bias[o] : 0.f;
     switch (m) {
-      case 1: qdot_row<1>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out); break;
-      case 2: qdot_row<2>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out); break;
-      case 3: qdot_row<3>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out); break;
-      default: qdot_row<4>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out); break;
+      case 1: qdot_row<1>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out, pf); break;
+      case 2: qdot_row<2>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out, pf); break;
+      case 3: qdot_row<3>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out, pf); break;
+      default: qdot_row<4>(x, xp.data(), xs.data(), w.in, pairs, qr, dr, mr, w.kb, b, y + o, out, pf); break;
     }
   }
 }

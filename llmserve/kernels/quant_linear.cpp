@@ -121,23 +121,24 @@ bool dpbf16_path(const at::Tensor& x, const QWeight& w) {
 
 at::Tensor gemv_path(const at::Tensor& x, const QWeight& w, int64_t out, const std::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0);
-  const bool dot = dpbf16_path(x, w);  // reads x as bf16; the others as fp32
+  const bool dot = dpbf16_path(x, w);  // reads and writes bf16; the others fp32
   const at::Tensor xc = dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
-  at::Tensor y = at::empty({m, out}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({m, out}, x.options().dtype(dot ? at::kBFloat16 : at::kFloat));
   const float* bp = bf ? bf->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
+  const int64_t pf = llmserve::gemv_prefetch_bytes();
   if (dot) {
     const llmserve::QGemvBf16Fn fn = llmserve::pick_qgemv_dpbf16();
     const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
-    at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out); });
-  } else {
-    const llmserve::QGemvFn fn = pick_gemv(w.int4());
-    const float* xp = xc.data_ptr<float>();
-    const int64_t pf = llmserve::gemv_prefetch_bytes();
+    uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
     at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out, pf); });
+    return y;
   }
+  const llmserve::QGemvFn fn = pick_gemv(w.int4());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out, pf); });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
