@@ -63,7 +63,7 @@ QUANT_LARGE_ROWS = (32, 256)  # the large steps measured: a decode batch, a pref
 MIN_COMPILE_PARAMS = 20_000_000  # below this a step takes ~1 ms, and a compile (tens of s) never pays back
 GEMV_PREFETCH_BYTES = (0, 1024, 2048, 4096, 8192)  # the software prefetch distances measured
 GEMV_PROBE_BYTES = 512 << 20  # the most weight bytes they are measured over (a larger model is past any cache)
-GEMV_ROWS = (1, 4, 8, 12, 16)  # the step sizes where gemv is measured against oneDNN
+GEMV_ROWS = (1, 2, 4, 8, 12, 16)  # the step sizes where gemv is measured against oneDNN (2: a compiled batch-1 step, padded)
 QUANT_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}  # llmserve.model.quantize.FORMATS, by their GGUF layouts
 
 
