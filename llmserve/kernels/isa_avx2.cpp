@@ -39,6 +39,7 @@ GemvFn pick_gemv_avx2(KvType weight) { return gemv_variant(weight); }
 LoraBlockFn pick_lora_avx2(KvType weight) { return lora_variant(weight); }
 QGemvFn pick_qgemv_avx2(bool int4) { return qgemv_variant(int4); }
 QDequantFn pick_qdequant_avx2() { return &qdequant; }
+QGemvBf16Fn pick_qgemv_bf16_avx2(bool int4) { return qgemv_bf16_variant(int4); }
 
 // head_dim 16, 32, 64 or 128 (Llama-style models use 64 or 128); others take the portable loop
 DecodeFn pick_avx2(KvType kv, int64_t hd) {

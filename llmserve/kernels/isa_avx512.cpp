@@ -70,7 +70,9 @@ GemvFn pick_gemv_avx512(KvType weight) { return gemv_variant(weight); }
 LoraBlockFn pick_lora_avx512(KvType weight) { return lora_variant(weight); }
 QGemvFn pick_qgemv_avx512(bool int4) { return qgemv_variant(int4); }
 QDequantFn pick_qdequant_avx512() { return &qdequant; }
-QGemvBf16Fn pick_qgemv_dpbf16() { return &qgemv_dpbf16; }
+QGemvBf16Fn pick_qgemv_bf16_avx512(bool int4, bool dpbf16) {
+  return int4 && dpbf16 ? &qgemv_dpbf16 : qgemv_bf16_variant(int4);
+}
 
 DecodeFn pick_avx512(KvType kv, bool q_bf16, bool dpbf16, int64_t hd) {
   const bool dp = kv == KvType::kBFloat16 && q_bf16 && dpbf16;

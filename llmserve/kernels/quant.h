@@ -34,15 +34,17 @@ using QGemvFn = void (*)(const float* x, int64_t m, const QWeight& w, const floa
 // rows [o0, o1) of the dequantized weight into dst [o1 - o0, in]: fp32, or bf16 bits where bf16
 using QDequantFn = void (*)(const QWeight& w, int64_t o0, int64_t o1, void* dst, bool bf16);
 
-// int4 rows of bf16 activations by the AVX512-BF16 dot product (quant_dpbf16.h): as QGemvFn, but
-// x [M, in] and y [M, out] bf16 bits, M <= 4. The fp32 kernel's sums up to fp32 summation order.
+// Rows of bf16 activations: as QGemvFn, but x [M, in] and y [M, out] bf16 bits, M <= 4 (the fp32
+// kernel over bf16 loads; for int4 under AVX512-BF16, the bf16 dot product of quant_dpbf16.h, whose
+// sums differ from the fp32 kernel's in summation order only).
 using QGemvBf16Fn = void (*)(const uint16_t* x, int64_t m, const QWeight& w, const float* bias, int64_t o0, int64_t o1,
                              uint16_t* y, int64_t out, int64_t pf);
 constexpr int64_t kQDotMaxRows = 4;
 
 QGemvFn pick_qgemv_avx2(bool int4);
 QGemvFn pick_qgemv_avx512(bool int4);
-QGemvBf16Fn pick_qgemv_dpbf16();  // AVX-512 with AVX512-BF16 only
+QGemvBf16Fn pick_qgemv_bf16_avx2(bool int4);
+QGemvBf16Fn pick_qgemv_bf16_avx512(bool int4, bool dpbf16);  // dpbf16: the CPU has AVX512-BF16
 QDequantFn pick_qdequant_avx2();
 QDequantFn pick_qdequant_avx512();
 

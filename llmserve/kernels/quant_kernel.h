@@ -40,10 +40,11 @@ inline float qscalar(const uint8_t* qr, const uint16_t* dr, const uint16_t* mr, 
   }
 }
 
-// y[r * out] = x[r] . w_row + b for r < M; U blocks a step (so that M * kQV * U >= 4 FMA chains)
-template <bool Q4, int M>
-inline void qgemv_row(const float* x, int64_t in, const uint8_t* qr, const uint16_t* dr, const uint16_t* mr, float b,
-                      float* y, int64_t out, int64_t pf) {
+// y[r * out] = x[r] . w_row + b for r < M; U blocks a step (so that M * kQV * U >= 4 FMA chains).
+// T: fp32, or bf16 bits (x read as bf16, y rounded to bf16; the sums are fp32 either way)
+template <bool Q4, int M, typename T>
+inline void qgemv_row(const T* x, int64_t in, const uint8_t* qr, const uint16_t* dr, const uint16_t* mr, float b,
+                      T* y, int64_t out, int64_t pf) {
   constexpr int U = M * kQV >= 4 ? 1 : 2, W = Vec::W;
   constexpr int64_t BB = kQBlockBytes<Q4>;
   Vec acc[M][U * kQV];
@@ -52,7 +53,7 @@ inline void qgemv_row(const float* x, int64_t in, const uint8_t* qr, const uint1
   auto step = [&](int64_t blk, int u) {
     Vec w[kQV];
     qblock<Q4>(qr + blk * BB, f16(dr[blk]), Q4 ? f16(mr[blk]) : 0.f, w);
-    const float* xb = x + blk * llmserve::kQBlock;
+    const T* xb = x + blk * llmserve::kQBlock;
     LLMSERVE_UNROLL for (int r = 0; r < M; ++r)
       LLMSERVE_UNROLL for (int c = 0; c < kQV; ++c)
         acc[r][u * kQV + c] = vfma(vload(xb + r * in + c * W), w[c], acc[r][u * kQV + c]);
@@ -67,8 +68,8 @@ inline void qgemv_row(const float* x, int64_t in, const uint8_t* qr, const uint1
     Vec a = acc[r][0];
     LLMSERVE_UNROLL for (int c = 1; c < U * kQV; ++c) a = vadd(a, acc[r][c]);
     float s = vsum(a) + b;
-    for (int64_t k = full * llmserve::kQBlock; k < in; ++k) s += x[r * in + k] * qscalar<Q4>(qr, dr, mr, k);
-    y[r * out] = s;
+    for (int64_t k = full * llmserve::kQBlock; k < in; ++k) s += scalar(x[r * in + k]) * qscalar<Q4>(qr, dr, mr, k);
+    put(y + r * out, s);
   }
 }
 
@@ -114,6 +115,24 @@ void qgemv(const float* x, int64_t m, const llmserve::QWeight& w, const float* b
   }
 }
 
+// bf16 activations, M <= kQDotMaxRows rows, bf16 out (quant.h: QGemvBf16Fn)
+template <bool Q4>
+void qgemv_bf16(const uint16_t* x, int64_t m, const llmserve::QWeight& w, const float* bias, int64_t o0, int64_t o1,
+                uint16_t* y, int64_t out, int64_t pf) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* qr = w.q + o * w.row_bytes;
+    const uint16_t* dr = w.d + o * w.kb;
+    const uint16_t* mr = Q4 ? w.m + o * w.kb : nullptr;
+    const float b = bias ? bias[o] : 0.f;
+    switch (m) {
+      case 1: qgemv_row<Q4, 1>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
+      case 2: qgemv_row<Q4, 2>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
+      case 3: qgemv_row<Q4, 3>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
+      default: qgemv_row<Q4, 4>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
+    }
+  }
+}
+
 template <bool Q4>
 void qdequant_rows(const llmserve::QWeight& w, int64_t o0, int64_t o1, void* dst, bool bf16) {
   for (int64_t o = o0; o < o1; ++o) {
@@ -132,3 +151,4 @@ void qdequant(const llmserve::QWeight& w, int64_t o0, int64_t o1, void* dst, boo
 }
 
 inline llmserve::QGemvFn qgemv_variant(bool int4) { return int4 ? &qgemv<true> : &qgemv<false>; }
+inline llmserve::QGemvBf16Fn qgemv_bf16_variant(bool int4) { return int4 ? &qgemv_bf16<true> : &qgemv_bf16<false>; }

@@ -1,9 +1,9 @@
 // llmserve::quant_linear(x [M, in], q, d, m?, bias?, in) -> [M, out]: a linear layer over a
 // block-quantized weight (quant.h: int8 = Q8_0, int4 = Q4_1), read as stored.
 //   M <= quant_max_rows(): the quantized GEMV (the ISA variant, or the portable loop), output rows
-//       split across threads in contiguous runs; bound by reading the packed bytes once. int4
-//       weights under bf16 activations take the AVX512-BF16 dot product where the CPU has it
-//       (quant_dpbf16.h), up to kQDotMaxRows rows.
+//       split across threads in contiguous runs; bound by reading the packed bytes once. Up to
+//       kQDotMaxRows rows of bf16 activations are read and written as bf16 by the kernel (for
+//       int4 weights, by the AVX512-BF16 dot product where the CPU has it: quant_dpbf16.h).
 //   more rows (prefill, large batches), where the layer has a oneDNN-packed float copy (packed:
 //       its handle, llmserve.model.packed; the plan's quant_large_steps): llmserve::onednn_linear.
 //   more rows otherwise: each thread dequantizes a tile of output rows into a
@@ -112,16 +112,21 @@ QWeight checked(const at::Tensor& q, const at::Tensor& d, const std::optional<at
                  int4 ? static_cast<const uint16_t*>(m->data_ptr()) : nullptr, in, kb, q.size(1)};
 }
 
-// int4 weights, bf16 activations, few rows, a CPU with AVX512-BF16: the bf16 dot-product GEMV
-bool dpbf16_path(const at::Tensor& x, const QWeight& w) {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has && w.int4() && x.scalar_type() == at::kBFloat16 && x.size(0) <= llmserve::kQDotMaxRows &&
-         llmserve::current_isa() == llmserve::kAvx512;
+// bf16 activations, few rows, an ISA variant: the GEMV reads and writes bf16 itself
+llmserve::QGemvBf16Fn pick_bf16_gemv(const at::Tensor& x, const QWeight& w) {
+  if (x.scalar_type() != at::kBFloat16 || x.size(0) > llmserve::kQDotMaxRows) return nullptr;
+  static const bool dpbf16 = __builtin_cpu_supports("avx512bf16");
+  switch (llmserve::current_isa()) {
+    case llmserve::kAvx512: return llmserve::pick_qgemv_bf16_avx512(w.int4(), dpbf16);
+    case llmserve::kAvx2: return llmserve::pick_qgemv_bf16_avx2(w.int4());
+    default: return nullptr;
+  }
 }
 
 at::Tensor gemv_path(const at::Tensor& x, const QWeight& w, int64_t out, const std::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0);
-  const bool dot = dpbf16_path(x, w);  // reads and writes bf16; the others fp32
+  const llmserve::QGemvBf16Fn bf16_fn = pick_bf16_gemv(x, w);
+  const bool dot = bf16_fn != nullptr;  // reads and writes bf16; the others fp32
   const at::Tensor xc = dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   at::Tensor y = at::empty({m, out}, x.options().dtype(dot ? at::kBFloat16 : at::kFloat));
@@ -129,7 +134,7 @@ at::Tensor gemv_path(const at::Tensor& x, const QWeight& w, int64_t out, const s
   const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
   const int64_t pf = llmserve::gemv_prefetch_bytes();
   if (dot) {
-    const llmserve::QGemvBf16Fn fn = llmserve::pick_qgemv_dpbf16();
+    const llmserve::QGemvBf16Fn fn = bf16_fn;
     const uint16_t* xp = static_cast<const uint16_t*>(xc.data_ptr());
     uint16_t* yp = static_cast<uint16_t*>(y.data_ptr());
     at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) { fn(xp, m, w, bp, o0, o1, yp, out, pf); });
