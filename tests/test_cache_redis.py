@@ -136,7 +136,7 @@ def test_corrupt_values_in_redis_are_ignored_and_counted(replicas, redis_server,
     written = kv_stat(a, "blocks_written")
     post(a, "/generate", {"input_ids": base + [9] * 16, "max_tokens": 4, "temperature": 0})
     wait_for(lambda: kv_stat(a, "blocks_written") >= written + 32, 10, "A did not write its prefix blocks")
-    ns = f"{fingerprint(Path(tiny_model))}-float32-none:16"
+    ns = f"{fingerprint(Path(tiny_model))}-float32-float:16"  # dtype, weights format, block size
     h = namespace_hash(ns)
     for i in range(11):
         h = hash_block(h, base[i * 16 : (i + 1) * 16])
