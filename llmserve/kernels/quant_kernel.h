@@ -85,6 +85,22 @@ inline void qdequant_row(const uint8_t* qr, const uint16_t* dr, const uint16_t* 
   for (int64_t k = full * llmserve::kQBlock; k < in; ++k) put(dst + k, qscalar<Q4>(qr, dr, mr, k));
 }
 
+// output row o of a step of m <= 4 rows, in registers; false (nothing done) for more rows
+template <bool Q4, typename T>
+inline bool qgemv_few(const T* x, int64_t m, const llmserve::QWeight& w, int64_t o, float b, T* y, int64_t out,
+                      int64_t pf) {
+  const uint8_t* qr = w.q + o * w.row_bytes;
+  const uint16_t* dr = w.d + o * w.kb;
+  const uint16_t* mr = Q4 ? w.m + o * w.kb : nullptr;
+  switch (m) {
+    case 1: qgemv_row<Q4, 1>(x, w.in, qr, dr, mr, b, y + o, out, pf); return true;
+    case 2: qgemv_row<Q4, 2>(x, w.in, qr, dr, mr, b, y + o, out, pf); return true;
+    case 3: qgemv_row<Q4, 3>(x, w.in, qr, dr, mr, b, y + o, out, pf); return true;
+    case 4: qgemv_row<Q4, 4>(x, w.in, qr, dr, mr, b, y + o, out, pf); return true;
+    default: return false;
+  }
+}
+
 template <bool Q4>
 void qgemv(const float* x, int64_t m, const llmserve::QWeight& w, const float* bias, int64_t o0, int64_t o1, float* y,
            int64_t out, int64_t pf) {
@@ -92,17 +108,11 @@ void qgemv(const float* x, int64_t m, const llmserve::QWeight& w, const float* b
   thread_local std::vector<float> row;  // the dequantized weight row, for steps of more than 4 rows
   if (m > 4) row.resize(in);
   for (int64_t o = o0; o < o1; ++o) {
+    const float b = bias ? bias[o] : 0.f;
+    if (qgemv_few<Q4>(x, m, w, o, b, y, out, pf)) continue;
     const uint8_t* qr = w.q + o * w.row_bytes;
     const uint16_t* dr = w.d + o * w.kb;
     const uint16_t* mr = Q4 ? w.m + o * w.kb : nullptr;
-    const float b = bias ? bias[o] : 0.f;
-    switch (m) {
-      case 1: qgemv_row<Q4, 1>(x, in, qr, dr, mr, b, y + o, out, pf); continue;
-      case 2: qgemv_row<Q4, 2>(x, in, qr, dr, mr, b, y + o, out, pf); continue;
-      case 3: qgemv_row<Q4, 3>(x, in, qr, dr, mr, b, y + o, out, pf); continue;
-      case 4: qgemv_row<Q4, 4>(x, in, qr, dr, mr, b, y + o, out, pf); continue;
-      default: break;
-    }
     qdequant_row<Q4, float>(qr, dr, mr, in, row.data());
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) gemv_row<float, 4>(x + r * in, row.data(), b, in, y + r * out + o, out, 0);
@@ -119,18 +129,7 @@ void qgemv(const float* x, int64_t m, const llmserve::QWeight& w, const float* b
 template <bool Q4>
 void qgemv_bf16(const uint16_t* x, int64_t m, const llmserve::QWeight& w, const float* bias, int64_t o0, int64_t o1,
                 uint16_t* y, int64_t out, int64_t pf) {
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* qr = w.q + o * w.row_bytes;
-    const uint16_t* dr = w.d + o * w.kb;
-    const uint16_t* mr = Q4 ? w.m + o * w.kb : nullptr;
-    const float b = bias ? bias[o] : 0.f;
-    switch (m) {
-      case 1: qgemv_row<Q4, 1>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
-      case 2: qgemv_row<Q4, 2>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
-      case 3: qgemv_row<Q4, 3>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
-      default: qgemv_row<Q4, 4>(x, w.in, qr, dr, mr, b, y + o, out, pf); break;
-    }
-  }
+  for (int64_t o = o0; o < o1; ++o) qgemv_few<Q4>(x, m, w, o, bias ? bias[o] : 0.f, y, out, pf);
 }
 
 template <bool Q4>
