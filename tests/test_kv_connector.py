@@ -157,7 +157,9 @@ def test_a_slow_redis_does_not_stall_decoding(tiny_model, redis_server, proxy, t
     for usage in (fast, slow):  # both from Redis, not recomputed
         assert usage["prompt_tokens_details"]["cached_tokens"] >= PREFIX - 16
     assert waited >= 0.2  # the replies were held back
-    assert p99(loaded) <= 1.5 * p99(base) + 0.005, (p99(loaded), p99(base), loaded[-5:])
+    # a stall puts gaps of >= 200 ms above the p99; the 50 ms margin is for a shared machine's
+    # noise (gaps of 10-20 ms moved by 10 ms between runs), a quarter of the stall
+    assert p99(loaded) <= 1.5 * p99(base) + 0.05, (p99(loaded), p99(base), loaded[-5:])
 
 
 def test_a_redis_that_never_answers_costs_a_budget_then_the_prefix_is_computed(tiny_model, redis_server, proxy, tmp_path):
