@@ -15,7 +15,6 @@ import torch
 from llmserve import kernels
 from llmserve.config import EngineConfig
 from llmserve.errors import InvalidRequestError
-from llmserve.model.compile import CompileUnavailableError
 from llmserve.model.config import ModelConfig
 from llmserve.plan import (
     GEMV_PREFETCH_BYTES,

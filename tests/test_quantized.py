@@ -5,7 +5,6 @@ round trip, and give the dequantized model's greedy tokens, eager and compiled."
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys

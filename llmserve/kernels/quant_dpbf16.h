@@ -12,7 +12,8 @@
 // own 4e-3).
 //
 // Blocks go in pairs: 32 bytes (blocks b, b + 1) zero-extend to 32 words W; W & 15 holds weights
-// 0-15 of both blocks, W >> 4 weights 16-31. So x is laid out per pair to match, once a call:
+// 0-15 of both blocks, W >> 4 weights 16-31. So x is laid out per pair to match, once a call per
+// thread (M x in words: nothing beside the weights it is used against):
 //   xp[pair] = [x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32]]   (64 bf16)
 // and the dot product's lanes 0-7 hold block b's partial sums, lanes 8-15 block b + 1's. The
 // last block of an odd count and a part block take the scalar loop.

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import json
+import logging
 from pathlib import Path
 
 import torch
