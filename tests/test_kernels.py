@@ -250,8 +250,29 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
     handle = layer.handle
     del layer
     gc.collect()
-    with pytest.raises(RuntimeError, match="no packed weight has handle"):
+    with pytest.raises(RuntimeError, match="no weight is registered under handle"):
         torch.ops.llmserve.onednn_linear(x, handle)
+
+
+def test_a_quantized_layer_is_registered_until_it_goes(op):
+    """QuantLinear.register_native puts the weight in llmserve::qlinear's table (re-registering
+    replaces it: a packed copy's handle is added so); the layer's release removes it."""
+    import gc
+
+    from llmserve.model.quantize import QuantLinear, dequantize, quantize
+
+    layer = QuantLinear(quantize(torch.randn(24, 64), "int8"), None, native=True)
+    layer.register_native()
+    layer.register_native()
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        got = torch.ops.llmserve.qlinear(x, layer.handle)
+    assert torch.allclose(got, x @ dequantize(layer.quantized).T, atol=1e-4, rtol=1e-4)
+    handle = layer.handle
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no weight is registered under handle"):
+        torch.ops.llmserve.qlinear(x, handle)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -463,6 +484,37 @@ def test_quant_linear_sends_large_steps_to_its_packed_copy(op, dtype):
             assert (got - want).abs().max() <= 2e-2 * want.abs().max(), (rows, dtype)
     finally:
         kernels.set_quant_max_rows(before)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "float32", "bfloat16"])
+def test_gemvs_skip_the_rows_past_live_rows(op, fmt):
+    """Under kernels.live_rows(n) (a compiled step's padding) the GEMVs, quantized and plain,
+    compute the first n rows as without it and write zeros into the others; larger steps and the
+    rows after the block are untouched."""
+    from llmserve.model.quantize import QuantLinear, dequantize, quantize
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 96, generator=g)
+    if fmt in ("int8", "int4"):
+        layer = QuantLinear(quantize(w, fmt), torch.randn(40, generator=g), native=True)
+        layer.register_native()
+        ref = dequantize(layer.quantized).double()
+        run = layer
+    else:
+        dtype = getattr(torch, fmt)
+        ref = w.to(dtype).double()
+        def run(x):
+            return torch.ops.llmserve.gemv(x, w.to(dtype), None)
+    bias = layer.bias.double() if fmt in ("int8", "int4") else 0
+    x = torch.randn(3, 96, generator=g)
+    with torch.inference_mode():
+        with kernels.live_rows(1):
+            got = run(x).double()
+        after = run(x).double()
+    want = x.double() @ ref.T + bias
+    assert (got[0] - want[0]).abs().max() <= 1e-4 * want.abs().max()
+    assert not got[1:].any()
+    assert (after - want).abs().max() <= 1e-4 * want.abs().max()  # every row again once the block ends
 
 
 def test_quant_linear_refuses_what_does_not_fit(op):

@@ -69,7 +69,8 @@ def test_a_quantize_checkpoint_is_stored_quantized(checkpoint):
 @pytest.mark.parametrize("compile,large", [("none", "tiles"), ("none", "packed"), ("inductor", "packed")])
 def test_quantized_tokens_equal_the_dequantized_float32_model(checkpoint, compile, large):
     """Prefill chunks and the 8-row decode steps run the large-step path (dequantized tiles, or
-    the packed float copy); the steps of fewer rows than quant_max_rows the quantized GEMV."""
+    the packed float copy); the steps of fewer rows than quant_max_rows the quantized GEMV, which
+    skips a compiled batch-1 step's padding row."""
     fmt, folder = checkpoint
     reference = tokens(folder, quantize="none")  # the same weights, dequantized, through nn.Linear
     llm = engine(folder, compile=compile, quant_large_steps=large)
@@ -77,6 +78,9 @@ def test_quantized_tokens_equal_the_dequantized_float32_model(checkpoint, compil
     layers = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
     assert layers and all((m.packed >= 0) == (large == "packed") for m in layers)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    alone = llm.generate(PROMPTS[2], GREEDY)[0]  # batch-1 decode steps, padded when compiled
+    assert alone.token_ids == reference[2]
+    assert any(r.num_decode_seqs == 1 and not r.num_prefill_tokens for r in llm.engine.step_records)
 
 
 def test_quantize_flag_equals_a_quantize_checkpoint(checkpoint, tiny_model):

@@ -130,6 +130,17 @@ def quant_max_rows() -> int:
     return torch.ops.llmserve.quant_max_rows()
 
 
+@contextlib.contextmanager
+def live_rows(rows: int):
+    """Within: the GEMVs (llmserve::gemv, llmserve::quant_linear's) compute the first `rows` rows
+    of a step and write zeros into the others, which are padding (model/compile.py)."""
+    torch.ops.llmserve.set_live_rows(rows)
+    try:
+        yield
+    finally:
+        torch.ops.llmserve.set_live_rows(-1)
+
+
 def _register_fake() -> None:
     """Shape-only implementation, so torch.compile can trace through the op."""
 

@@ -1,6 +1,7 @@
 // llmserve::gemv(x [M, in], w [out, in], bias [out]?) -> [M, out]: a linear layer for M <= 16 rows
 // over a plain weight (float32 or bfloat16), bound by reading the weight once. Output rows are
 // split across threads in contiguous runs; each runs the ISA variant (gemv.h) or the portable loop.
+// Rows past live_rows() (gemv.h) are zeros, not computed.
 // Batch-1 decode steps take it (model/packed.py keeps a plain copy of each weight for them): on an
 // AVX2 machine the packed oneDNN path read SmolLM2's float32 weights at about 42 GB/s, against 73
 // for a plain streaming read.
@@ -67,6 +68,13 @@ void set_gemv_max_rows(int64_t rows) {
 
 int64_t gemv_max_rows() { return max_rows.load(); }
 
+std::atomic<int64_t> live{-1};  // -1: every row is live
+
+void set_live_rows(int64_t rows) {
+  TORCH_CHECK(rows >= -1, "set_live_rows: a row count, or -1 for all, not ", rows);
+  live.store(rows);
+}
+
 }  // namespace
 
 namespace llmserve {
@@ -74,16 +82,22 @@ namespace llmserve {
 int64_t gemv_row_limit() { return max_rows.load(std::memory_order_relaxed); }
 int64_t gemv_prefetch_bytes() { return prefetch_bytes.load(std::memory_order_relaxed); }
 
+int64_t live_rows(int64_t m) {
+  const int64_t n = live.load(std::memory_order_relaxed);
+  return n < 0 ? m : std::min(m, n);
+}
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [M, in] and w [out, in]");
   TORCH_CHECK(x.size(0) <= kGemvMaxRows, "gemv: at most ", kGemvMaxRows, " rows, not ", x.size(0));
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, "gemv: float32 or bfloat16 weights");
   TORCH_CHECK(w.is_contiguous(), "gemv: the weight must be contiguous");
-  const int64_t m = x.size(0), in = w.size(1), out = w.size(0);
+  const int64_t rows = x.size(0), m = live_rows(rows), in = w.size(1), out = w.size(0);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   TORCH_CHECK(!bf || bf->numel() == out, "gemv: bias [out]");
-  at::Tensor y = at::empty({m, out}, xf.options());
+  at::Tensor y = at::empty({rows, out}, xf.options());
+  if (m < rows) y.narrow(0, m, rows - m).zero_();
   const GemvFn fn = pick(w.scalar_type() == at::kFloat ? KvType::kFloat : KvType::kBFloat16);
   const float* xp = xf.data_ptr<float>();
   const float* bp = bf ? bf->data_ptr<float>() : nullptr;
@@ -105,6 +119,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("gemv_prefetch() -> int");
   m.def("set_gemv_max_rows(int rows) -> ()");
   m.def("gemv_max_rows() -> int");
+  m.def("set_live_rows(int rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("gemv", &llmserve::gemv); }
@@ -114,4 +129,5 @@ TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
   m.impl("gemv_prefetch", &gemv_prefetch);
   m.impl("set_gemv_max_rows", &set_gemv_max_rows);
   m.impl("gemv_max_rows", &gemv_max_rows);
+  m.impl("set_live_rows", &set_live_rows);
 }

@@ -18,6 +18,10 @@ namespace llmserve {
 constexpr int64_t kGemvMaxRows = 16;
 int64_t gemv_row_limit();  // set_gemv_max_rows (gemv.cpp)
 int64_t gemv_prefetch_bytes();  // set_gemv_prefetch (gemv.cpp); the quantized GEMV prefetches as far
+// Of a step's m rows, those the GEMVs compute: all, or the first set_live_rows(n) (gemv.cpp). A
+// compiled step pads a batch-1 decode with a row (model/compile.py); the GEMVs then write zeros
+// into the padding row instead of reading every weight for it.
+int64_t live_rows(int64_t m);
 
 using GemvFn = void (*)(const float* x, int64_t m, const void* w, const float* bias, int64_t in, int64_t o0,
                         int64_t o1, float* y, int64_t out, int64_t pf);

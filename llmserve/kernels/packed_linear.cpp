@@ -11,11 +11,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <mutex>
 #include <optional>
-#include <unordered_map>
 
 #include "gemv.h"
+#include "handles.h"
 
 namespace llmserve {
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);  // gemv.cpp
@@ -29,32 +28,21 @@ struct Packed {
   std::optional<at::Tensor> plain;  // [out, in], for steps of at most gemv_row_limit() rows (gemv.cpp)
 };
 
-std::mutex table_mutex;
-std::unordered_map<int64_t, Packed> table;
+llmserve::HandleTable<Packed> table;
 
 void packed_register(int64_t handle, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& plain) {
-  std::lock_guard<std::mutex> lock(table_mutex);
-  table[handle] = Packed{weight, bias, plain};
+  table.put(handle, Packed{weight, bias, plain});
 }
 
-void packed_release(int64_t handle) {
-  std::lock_guard<std::mutex> lock(table_mutex);
-  table.erase(handle);
-}
+void packed_release(int64_t handle) { table.erase(handle); }
 
 }  // namespace
 
 namespace llmserve {
 
 at::Tensor onednn_linear(const at::Tensor& x, int64_t handle) {
-  Packed p;
-  {
-    std::lock_guard<std::mutex> lock(table_mutex);
-    const auto it = table.find(handle);
-    TORCH_CHECK(it != table.end(), "onednn_linear: no packed weight has handle ", handle);
-    p = it->second;
-  }
+  const Packed p = table.get(handle, "onednn_linear");
   if (p.plain && x.dim() == 2 && x.size(0) <= llmserve::gemv_row_limit()) return llmserve::gemv(x, *p.plain, p.bias);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;

@@ -3,12 +3,17 @@
 //   M <= quant_max_rows(): the quantized GEMV (the ISA variant, or the portable loop), output rows
 //       split across threads in contiguous runs; bound by reading the packed bytes once. Up to
 //       kQDotMaxRows rows of bf16 activations are read and written as bf16 by the kernel (for
-//       int4 weights, by the AVX512-BF16 dot product where the CPU has it: quant_dpbf16.h).
+//       int4 weights, by the AVX512-BF16 dot product where the CPU has it: quant_dpbf16.h). Rows
+//       past live_rows() (gemv.h: a compiled step's padding) are zeros, not computed.
 //   more rows (prefill, large batches), where the layer has a oneDNN-packed float copy (packed:
 //       its handle, llmserve.model.packed; the plan's quant_large_steps): llmserve::onednn_linear.
 //   more rows otherwise: each thread dequantizes a tile of output rows into a
 //       buffer that stays in its cache (fp32, or bf16 for bf16 activations) and runs the BLAS GEMM
 //       on it: tile [n, in] x x^T -> rows of y^T.
+// llmserve::qlinear(x, handle): the same, over a weight registered once (quant_register) in a
+// process-wide table, as packed_linear.cpp keeps packed weights: a model's layers call it, so a
+// compiled graph takes an int a layer instead of three or four tensors (each one an input the
+// graph's caller fetches, checks and passes on every step).
 // llmserve::quant_dequant(q, d, m?, in, bf16) -> [out, in]: the dequantized weight (the same
 // values every path computes with).
 
@@ -22,6 +27,7 @@
 #include <optional>
 
 #include "gemv.h"
+#include "handles.h"
 #include "quant.h"
 
 namespace llmserve {
@@ -124,12 +130,14 @@ llmserve::QGemvBf16Fn pick_bf16_gemv(const at::Tensor& x, const QWeight& w) {
 }
 
 at::Tensor gemv_path(const at::Tensor& x, const QWeight& w, int64_t out, const std::optional<at::Tensor>& bias) {
-  const int64_t m = x.size(0);
+  const int64_t rows = x.size(0), m = llmserve::live_rows(rows);
   const llmserve::QGemvBf16Fn bf16_fn = pick_bf16_gemv(x, w);
   const bool dot = bf16_fn != nullptr;  // reads and writes bf16; the others fp32
   const at::Tensor xc = dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
-  at::Tensor y = at::empty({m, out}, x.options().dtype(dot ? at::kBFloat16 : at::kFloat));
+  at::Tensor y = at::empty({rows, out}, x.options().dtype(dot ? at::kBFloat16 : at::kFloat));
+  if (m < rows) y.narrow(0, m, rows - m).zero_();
+  if (m == 0) return x.scalar_type() == y.scalar_type() ? y : y.to(x.scalar_type());
   const float* bp = bf ? bf->data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
   const int64_t pf = llmserve::gemv_prefetch_bytes();
@@ -174,19 +182,45 @@ at::Tensor tile_path(const at::Tensor& x, const QWeight& w, int64_t out, const s
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
+at::Tensor run(const at::Tensor& x, const QWeight& w, int64_t out, const std::optional<at::Tensor>& bias,
+               int64_t packed) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in, "quant_linear: x [M, ", w.in, "]");
+  if (x.size(0) == 0) return at::empty({0, out}, x.options());
+  if (x.size(0) <= max_rows.load(std::memory_order_relaxed)) return gemv_path(x, w, out, bias);
+  return packed >= 0 ? llmserve::onednn_linear(x, packed) : tile_path(x, w, out, bias);
+}
+
+struct Registered {
+  at::Tensor q, d;  // held, so that w's pointers stay valid
+  std::optional<at::Tensor> m, bias;
+  QWeight w;
+  int64_t packed;
+};
+
+llmserve::HandleTable<Registered> table;
+
+void quant_register(int64_t handle, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                    const std::optional<at::Tensor>& bias, int64_t in, int64_t packed) {
+  const QWeight w = checked(q, d, m, in);
+  TORCH_CHECK(!bias || bias->numel() == q.size(0), "quant_register: bias [out]");
+  table.put(handle, Registered{q, d, m, bias, w, packed});
+}
+
+void quant_release(int64_t handle) { table.erase(handle); }
+
+at::Tensor qlinear(const at::Tensor& x, int64_t handle) {
+  const Registered r = table.get(handle, "qlinear");
+  return run(x, r.w, r.q.size(0), r.bias, r.packed);
+}
+
 }  // namespace
 
 namespace llmserve {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
                         const std::optional<at::Tensor>& bias, int64_t in, int64_t packed) {
-  const QWeight w = checked(q, d, m, in);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "quant_linear: x [M, ", in, "]");
-  const int64_t out = q.size(0);
-  TORCH_CHECK(!bias || bias->numel() == out, "quant_linear: bias [out]");
-  if (x.size(0) == 0) return at::empty({0, out}, x.options());
-  if (x.size(0) <= max_rows.load(std::memory_order_relaxed)) return gemv_path(x, w, out, bias);
-  return packed >= 0 ? onednn_linear(x, packed) : tile_path(x, w, out, bias);
+  TORCH_CHECK(!bias || bias->numel() == q.size(0), "quant_linear: bias [out]");
+  return run(x, checked(q, d, m, in), q.size(0), bias, packed);
 }
 
 at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m, int64_t in,
@@ -204,6 +238,9 @@ at::Tensor quant_dequant(const at::Tensor& q, const at::Tensor& d, const std::op
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("quant_linear(Tensor x, Tensor q, Tensor d, Tensor? m, Tensor? bias, int in_features, int packed=-1) -> Tensor");
+  m.def("quant_register(int handle, Tensor q, Tensor d, Tensor? m, Tensor? bias, int in_features, int packed) -> ()");
+  m.def("quant_release(int handle) -> ()");
+  m.def("qlinear(Tensor x, int handle) -> Tensor");
   m.def("quant_dequant(Tensor q, Tensor d, Tensor? m, int in_features, bool bf16) -> Tensor");
   m.def("set_quant_max_rows(int rows) -> ()");
   m.def("quant_max_rows() -> int");
@@ -212,9 +249,12 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("quant_linear", &llmserve::quant_linear);
   m.impl("quant_dequant", &llmserve::quant_dequant);
+  m.impl("qlinear", &qlinear);
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {
   m.impl("set_quant_max_rows", &set_quant_max_rows);
   m.impl("quant_max_rows", &quant_max_rows);
+  m.impl("quant_register", &quant_register);
+  m.impl("quant_release", &quant_release);
 }

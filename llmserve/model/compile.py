@@ -24,6 +24,7 @@ tensorrt: needs CUDA and torch_tensorrt; both are checked at start-up with a cle
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ import types
 
 import torch
 
+from llmserve import kernels
 from llmserve.errors import LLMServeError
 from llmserve.lora.layers import WARM_UP_SLOTS, LoRABatch
 from llmserve.model.attention import AttentionMetadata, PrefillBatch, PrefillSeq
@@ -85,7 +87,10 @@ class StepGraph:
     specialises sizes 0 and 1, so each of those is padded to MIN_ROWS: a padded decode row
     carries token 0 at position 0, writes its K/V into the null block 0 (slot 0) and attends to 1
     token; a padded chunk has 0 tokens; padded table columns name the null block; padded logit
-    rows repeat row 0 and are cut off. Padding never touches a real sequence's cache.
+    rows repeat row 0 and are cut off. Padding never touches a real sequence's cache. A batch-1
+    decode step's padding row is the last of every layer's rows, so the native GEMVs skip it
+    (kernels.live_rows) and write zeros there: at batch 1 the linears read their weights for one
+    row, not two.
 
     It runs with inductor's C++ wrapper (the code that calls the graph's kernels and ops in
     order). In Python that code costs about 80 us a layer (tensor views, size asserts, ~10 calls);
@@ -120,6 +125,8 @@ class StepGraph:
         lora: (each row's slot [T], -1 for none; K, the slots in use), when the step has adapters.
         A step without adapters runs a graph without LoRA: it costs nothing then."""
         d, pad = meta.num_decodes, max(MIN_ROWS - meta.num_decodes, 0)
+        # decode rows only: every padding row follows the real ones, so the native GEMVs skip them
+        skip_pad = pad and ids.shape[0] == d and self.model.native_decode
         z = ids.new_zeros(pad)
         ids, positions, slots = (torch.cat([x[:d], z, x[d:]]) for x in (ids, positions, meta.slot_mapping))
         tables = _pad(_pad(meta.decode_block_tables, 1, MIN_ROWS), 0, d + pad)
@@ -138,13 +145,14 @@ class StepGraph:
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(tables, 1)
         torch._dynamo.mark_dynamic(prefill_tables, 1)
-        if lora is None:
-            return self.fn(*args, kv_caches)[: len(rows)]
-        row_slots = torch.cat([lora[0][:d], torch.full_like(z, -1), lora[0][d:]])
-        slot_ids = torch.arange(lora[1], device=row_slots.device)
-        for t in (row_slots, slot_ids):
-            torch._dynamo.mark_dynamic(t, 0)
-        return self.fn(*args, kv_caches, row_slots, slot_ids)[: len(rows)]
+        with kernels.live_rows(d) if skip_pad else contextlib.nullcontext():
+            if lora is None:
+                return self.fn(*args, kv_caches)[: len(rows)]
+            row_slots = torch.cat([lora[0][:d], torch.full_like(z, -1), lora[0][d:]])
+            slot_ids = torch.arange(lora[1], device=row_slots.device)
+            for t in (row_slots, slot_ids):
+                torch._dynamo.mark_dynamic(t, 0)
+            return self.fn(*args, kv_caches, row_slots, slot_ids)[: len(rows)]
 
     def warm_up(self, kv_caches: list[torch.Tensor], lora: bool = False) -> float:
         """Compile (or load from the cache) the graph, and with `lora` the graph for steps with

@@ -143,4 +143,5 @@ def pack_quantized_copies(model: nn.Module, dtype: torch.dtype) -> list[PackedLi
                 dense.bias = nn.Parameter(layer.bias.to(dtype), requires_grad=False)
             copies.append(PackedLinear(dense, native=True))
             layer.packed = copies[-1].handle
+            layer.register_native()
     return copies

@@ -7,7 +7,8 @@ QuantizedTensor keeps q [out, kb * 32] int8 or [out, kb * 16] uint8 (in block b,
 the low nibble of byte 16b + j, weight j + 16 its high nibble), d and m [out, kb] float16;
 kb = ceil(in / 32), and a partial last block is padded.
 
-QuantLinear runs llmserve::quant_linear (kernels/quant_linear.cpp), which reads the packed bytes
+QuantLinear runs llmserve::qlinear (kernels/quant_linear.cpp: its weight registered once, by
+handle, so that a compiled graph holds an int a layer), which reads the packed bytes
 and dequantizes in registers for steps of few rows, and dequantizes tiles into cache for the
 GEMM otherwise; without the native kernels it dequantizes in torch. Every path computes the same
 weights: d * q (+ m) as one fp32 FMA, exactly what `dequantize` returns.
@@ -20,9 +21,12 @@ and whose safetensors hold, for each quantized weight `<name>.weight`, `<name>.q
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +39,8 @@ QUANT_METHOD = "llmserve-blockwise"
 BLOCK = 32
 FORMATS = ("int8", "int4")
 GGUF_NAMES = {"int8": "Q8_0", "int4": "Q4_1"}  # the GGUF type each format's layout comes from
+_HANDLES = itertools.count()
+_OUT_FEATURES: dict[int, int] = {}  # handle -> out_features of each weight registered with llmserve::qlinear
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,9 @@ def dequantize(t: QuantizedTensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer over a QuantizedTensor. native: llmserve::quant_linear (the native kernels
-    are loaded); otherwise the weight is dequantized in torch on each call."""
+    """A linear layer over a QuantizedTensor. native: llmserve::qlinear over the weight registered
+    under `handle` (register_native, once the native kernels are loaded and the layer is final);
+    otherwise the weight is dequantized in torch on each call."""
 
     def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, native: bool = False):
         super().__init__()
@@ -120,6 +127,17 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.native = native
         self.packed = -1  # a oneDNN-packed float copy's handle, for steps above quant_max_rows (model/packed.py)
+        self.handle = next(_HANDLES)
+
+    def register_native(self) -> None:
+        """(Re)register the weight, bias and packed copy with llmserve::qlinear under self.handle;
+        released with the layer."""
+        if self.handle not in _OUT_FEATURES:
+            _register_native_shape()
+            weakref.finalize(self, _release, self.handle)
+        _OUT_FEATURES[self.handle] = self.out_features
+        torch.ops.llmserve.quant_register(self.handle, self.qweight, self.scales, self.mins, self.bias,
+                                          self.in_features, self.packed)
 
     @property
     def quantized(self) -> QuantizedTensor:
@@ -127,12 +145,23 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.native:
-            return torch.ops.llmserve.quant_linear(x, self.qweight, self.scales, self.mins, self.bias, self.in_features,
-                                                   self.packed)
+            return torch.ops.llmserve.qlinear(x, self.handle)
         return F.linear(x, dequantize(self.quantized).to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+def _release(handle: int) -> None:
+    _OUT_FEATURES.pop(handle, None)
+    torch.ops.llmserve.quant_release(handle)
+
+
+@functools.cache
+def _register_native_shape() -> None:
+    @torch.library.register_fake("llmserve::qlinear")
+    def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], _OUT_FEATURES[handle])
 
 
 def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Module]]:
@@ -180,10 +209,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def use_native_quant(model: nn.Module, enabled: bool) -> int:
-    """QuantLinear layers through llmserve::quant_linear (True) or torch; returns how many."""
+    """QuantLinear layers through llmserve::qlinear (True) or torch; returns how many."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
         layer.native = bool(enabled)
+        if enabled:
+            layer.register_native()
     return len(layers)
 
 
