@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstring>
 #include <optional>
 
 #include "gemv.h"
@@ -97,7 +98,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   TORCH_CHECK(!bf || bf->numel() == out, "gemv: bias [out]");
   at::Tensor y = at::empty({rows, out}, xf.options());
-  if (m < rows) y.narrow(0, m, rows - m).zero_();
+  std::memset(y.data_ptr<float>() + m * out, 0, (rows - m) * out * sizeof(float));  // rows past live_rows()
   const GemvFn fn = pick(w.scalar_type() == at::kFloat ? KvType::kFloat : KvType::kBFloat16);
   const float* xp = xf.data_ptr<float>();
   const float* bp = bf ? bf->data_ptr<float>() : nullptr;

@@ -23,6 +23,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <optional>
 
@@ -136,7 +137,7 @@ at::Tensor gemv_path(const at::Tensor& x, const QWeight& w, int64_t out, const s
   const at::Tensor xc = dot ? x.contiguous() : x.to(at::kFloat).contiguous();
   const std::optional<at::Tensor> bf = bias ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   at::Tensor y = at::empty({rows, out}, x.options().dtype(dot ? at::kBFloat16 : at::kFloat));
-  if (m < rows) y.narrow(0, m, rows - m).zero_();
+  std::memset(static_cast<char*>(y.data_ptr()) + m * out * y.element_size(), 0, (rows - m) * out * y.element_size());
   if (m == 0) return x.scalar_type() == y.scalar_type() ? y : y.to(x.scalar_type());
   const float* bp = bf ? bf->data_ptr<float>() : nullptr;
   const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
