@@ -507,10 +507,15 @@ def test_gemvs_skip_the_rows_past_live_rows(op, fmt):
             return torch.ops.llmserve.gemv(x, w.to(dtype), None)
     bias = layer.bias.double() if fmt in ("int8", "int4") else 0
     x = torch.randn(3, 96, generator=g)
-    with torch.inference_mode():
-        with kernels.live_rows(1):
-            got = run(x).double()
-        after = run(x).double()
+    before = kernels.quant_max_rows()
+    try:
+        kernels.set_quant_max_rows(4)  # 3 rows: the quantized GEMV
+        with torch.inference_mode():
+            with kernels.live_rows(1):
+                got = run(x).double()
+            after = run(x).double()
+    finally:
+        kernels.set_quant_max_rows(before)
     want = x.double() @ ref.T + bias
     assert (got[0] - want[0]).abs().max() <= 1e-4 * want.abs().max()
     assert not got[1:].any()

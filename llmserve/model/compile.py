@@ -110,6 +110,8 @@ class StepGraph:
         options = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.fn = torch.compile(_own_code(self._step), fullgraph=True, dynamic=False, options=options)
+        # the model's GEMVs are llmserve's (kernels.live_rows applies to them)
+        self.native_gemvs = model.native_decode and hasattr(torch.ops.llmserve, "set_live_rows")
 
     def _step(self, ids, positions, slots, tables, seq_lens, starts, lens, contexts, prefill_tables, rows, kv_caches,
               row_slots=None, slot_ids=None):
@@ -126,7 +128,7 @@ class StepGraph:
         A step without adapters runs a graph without LoRA: it costs nothing then."""
         d, pad = meta.num_decodes, max(MIN_ROWS - meta.num_decodes, 0)
         # decode rows only: every padding row follows the real ones, so the native GEMVs skip them
-        skip_pad = pad and ids.shape[0] == d and self.model.native_decode
+        skip_pad = pad and ids.shape[0] == d and self.native_gemvs
         z = ids.new_zeros(pad)
         ids, positions, slots = (torch.cat([x[:d], z, x[d:]]) for x in (ids, positions, meta.slot_mapping))
         tables = _pad(_pad(meta.decode_block_tables, 1, MIN_ROWS), 0, d + pad)
