@@ -255,19 +255,34 @@ def test_native_linear_op_runs_and_forgets_packed_weights(op):
 
 
 def test_a_quantized_layer_is_registered_until_it_goes(op):
-    """QuantLinear.register_native puts the weight in llmserve::qlinear's table (re-registering
-    replaces it: a packed copy's handle is added so); the layer's release removes it."""
+    """QuantLinear.use_native(True) puts the weight in llmserve::qlinear's table; registering it
+    again replaces the entry (so a packed float copy added later takes the large steps: here it
+    holds twice the weight, to tell it apart); the layer's release removes it."""
     import gc
 
+    from torch import nn
+
+    from llmserve.model.packed import PackedLinear
     from llmserve.model.quantize import QuantLinear, dequantize, quantize
 
-    layer = QuantLinear(quantize(torch.randn(24, 64), "int8"), None, native=True)
-    layer.register_native()
-    layer.register_native()
-    x = torch.randn(2, 64)
-    with torch.inference_mode():
-        got = torch.ops.llmserve.qlinear(x, layer.handle)
-    assert torch.allclose(got, x @ dequantize(layer.quantized).T, atol=1e-4, rtol=1e-4)
+    layer = QuantLinear(quantize(torch.randn(24, 64), "int8"), None)
+    layer.use_native(True)
+    x = torch.randn(6, 64)
+    want = x.double() @ dequantize(layer.quantized).double().T
+    dense = nn.Linear(64, 24, bias=False)
+    dense.weight = nn.Parameter(2 * dequantize(layer.quantized), requires_grad=False)
+    before = kernels.quant_max_rows()
+    try:
+        kernels.set_quant_max_rows(4)
+        with torch.inference_mode():
+            assert (torch.ops.llmserve.qlinear(x, layer.handle).double() - want).abs().max() <= 1e-4 * want.abs().max()
+            copy = PackedLinear(dense, native=True)
+            layer.packed = copy.handle
+            layer.register_native()
+            got = torch.ops.llmserve.qlinear(x, layer.handle).double()  # 6 rows: the copy
+            assert (got - 2 * want).abs().max() <= 1e-4 * want.abs().max()
+    finally:
+        kernels.set_quant_max_rows(before)
     handle = layer.handle
     del layer
     gc.collect()
@@ -496,8 +511,8 @@ def test_gemvs_skip_the_rows_past_live_rows(op, fmt):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(40, 96, generator=g)
     if fmt in ("int8", "int4"):
-        layer = QuantLinear(quantize(w, fmt), torch.randn(40, generator=g), native=True)
-        layer.register_native()
+        layer = QuantLinear(quantize(w, fmt), torch.randn(40, generator=g))
+        layer.use_native(True)
         ref = dequantize(layer.quantized).double()
         run = layer
     else:

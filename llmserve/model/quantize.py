@@ -114,20 +114,26 @@ def dequantize(t: QuantizedTensor) -> torch.Tensor:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer over a QuantizedTensor. native: llmserve::qlinear over the weight registered
-    under `handle` (register_native, once the native kernels are loaded and the layer is final);
+    """A linear layer over a QuantizedTensor. After use_native(True) (the native kernels are
+    loaded, the layer final): llmserve::qlinear over the weight registered under `handle`;
     otherwise the weight is dequantized in torch on each call."""
 
-    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None, native: bool = False):
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features, self.format = weight.in_features, weight.out_features, weight.format
         self.register_buffer("qweight", weight.q.contiguous())
         self.register_buffer("scales", weight.d.contiguous())
         self.register_buffer("mins", None if weight.m is None else weight.m.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.native = native
+        self.native = False
         self.packed = -1  # a oneDNN-packed float copy's handle, for steps above quant_max_rows (model/packed.py)
         self.handle = next(_HANDLES)
+
+    def use_native(self, enabled: bool) -> None:
+        """Run through llmserve::qlinear (True) or torch from now on."""
+        self.native = bool(enabled)
+        if self.native:
+            self.register_native()
 
     def register_native(self) -> None:
         """(Re)register the weight, bias and packed copy with llmserve::qlinear under self.handle;
@@ -212,9 +218,7 @@ def use_native_quant(model: nn.Module, enabled: bool) -> int:
     """QuantLinear layers through llmserve::qlinear (True) or torch; returns how many."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
-        layer.native = bool(enabled)
-        if enabled:
-            layer.register_native()
+        layer.use_native(enabled)
     return len(layers)
 
 
