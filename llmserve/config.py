@@ -47,6 +47,9 @@ class EngineConfig:
     compile: str = _opt(
         "auto", "compiled execution (auto: inductor where it measured faster; see the execution plan in the log)",
         ("auto", "none", "inductor", "tensorrt"))
+    fused_layers: str = _opt(
+        "auto", "compiled steps without LoRA adapters run each decoder layer as one native op (auto: with the native "
+        "kernels); off runs its modules' ops", ("auto", "off"))
     enforce_eager: bool = _opt(False, "never run CUDA graphs: every step eager (--device cuda; the plan's "
                                "cudagraph_mode says so on the CPU too, where steps never run them)")
     quantize: str | None = _opt(None, "weight-only quantization of the linear layers, blocks of 32 along K: int8 (Q8_0 "

@@ -21,6 +21,9 @@ Rules (`auto` everywhere):
   otherwise: both are measured once per machine.
 - compile: inductor where it measured faster (bf16 on native-bf16 CPUs, float32 on AVX2 and
   AVX-512), except for models too small for a compile to pay back.
+- fused_layers: on where compiled steps run over the native kernels and the linears have native
+  handles (oneDNN-packed or block-quantized): each decoder layer of a step without adapters is
+  one op, llmserve::decoder_layer, in place of about ten kernels and op calls.
 - linear: oneDNN-packed weights; where the native kernels run and a second copy costs at most
   an eighth of the RAM, plain weights too, for steps of few rows (batch-1 decode, small batches),
   which llmserve::gemv reads at close to the streaming bandwidth. Its software prefetch distance
@@ -138,6 +141,7 @@ class ExecutionPlan:
     dtype: Choice  # float32 | bfloat16
     kv_cache_dtype: Choice  # float32 | bfloat16
     compile: Choice  # none | inductor | tensorrt
+    fused_layers: Choice  # on: a compiled step runs each decoder layer as one native op | off
     attention_backend: Choice  # native | torch (CPU) | triton (CUDA)
     cpu_isa: Choice  # the native decode kernel's variant: avx512 | avx2 | portable (or none)
     linear_backend: Choice  # onednn-packed+gemv | onednn-packed | int8 | dense
@@ -205,6 +209,7 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     weights = _weights(config, model_config)
     compile_ = _compile(config.compile, dtype, cpu, model_config)
     linear = _linear(weights, dtype, attention, model_config)
+    fused = _fused_layers(config.fused_layers, compile_, attention, linear)
     prefetch = rows = Choice("0", "no llmserve::gemv in this plan")
     quantized = weights.value != "float" and attention.value == "native"
     fmt = "int4" if "int4" in weights.value else "int8"  # the decoder linears' (int4 beside an int8 LM head)
@@ -222,7 +227,7 @@ def build_plan(config, model_config, cpu: CpuInfo, kernels_ok: bool, env: dict[s
     else:
         large = Choice("none", quant_rows.reason)
     graphs = Choice("none", "--enforce-eager" if config.enforce_eager else "CUDA graphs run on NVIDIA GPUs only")
-    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, attention, isa, linear, prefetch, rows, weights,
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, fused, attention, isa, linear, prefetch, rows, weights,
                          quant_rows, large, graphs)
 
 
@@ -273,7 +278,8 @@ def gpu_plan(config, cpu: CpuInfo, gpu: GpuInfo, model_formats: tuple[str, ...] 
         Choice(dtype.value, "auto: the weights' dtype")
     compile_ = Choice("none", "asked for" if config.compile == "none" else
                       "auto: eager; the compiled step graph and CUDA graphs have not run on a GPU yet")
-    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, Choice("triton", "the Triton kernels (CUDA)"),
+    return ExecutionPlan(_cpu_class(cpu), device, dtype, kv, compile_, Choice("off", "the fused layer op runs on the CPU"),
+                         Choice("triton", "the Triton kernels (CUDA)"),
                          Choice("none", "attention runs on the GPU"), Choice("dense", "cuBLAS through F.linear"),
                          Choice("0", "no llmserve::gemv on a GPU"), Choice("0", "no llmserve::gemv on a GPU"),
                          _gpu_weights(model_formats), Choice("0", "no quantized layers on a GPU"),
@@ -351,6 +357,17 @@ def _compile(requested: str, dtype: Choice, cpu: CpuInfo, model_config) -> Choic
     if dtype.value == "bfloat16":
         return Choice("inductor", "auto: compiled bf16 steps measured 1.3-1.5x eager on AVX-512 BF16")
     return Choice("inductor", "auto: compiled float32 steps measured 1.1-1.3x eager on AVX2 and AVX-512")
+
+
+def _fused_layers(requested: str, compile_: Choice, attention: Choice, linear: Choice) -> Choice:
+    if requested == "off":
+        return Choice("off", "asked for")
+    if compile_.value != "inductor" or attention.value != "native":
+        return Choice("off", "only compiled steps over the native kernels run the fused layer op")
+    if linear.value == "dense":
+        return Choice("off", "the linear layers run nn.Linear, which the fused layer op does not call")
+    return Choice("on", "auto: llmserve::decoder_layer runs each decoder layer of a step without adapters as one op, "
+                        "in place of about ten kernels and op calls")
 
 
 def _linear(weights: Choice, dtype: Choice, attention: Choice, model_config) -> Choice:

@@ -13,7 +13,8 @@
    round's ratio is the figure.
 
 4. --weights none,int8,int4,stored: the same model under each weights format (--quantize; stored:
-   as the checkpoint holds them, e.g. the default model's Q4_1 blocks), one engine
+   as the checkpoint holds them, e.g. the default model's Q4_1 blocks; a `:unfused` suffix, e.g.
+   int8:unfused, runs that format with --fused-layers off, its decoder layers as their modules' ops), one engine
    each, measured round by round in turn (--rounds): the batch-1 decode step against its own
    weight bytes over the read bandwidth measured just before, one stream's output tok/s
    (--input-len in / --output-len out), --num-prompts streams at once, and the prefill of one
@@ -134,8 +135,13 @@ class WeightsRun:
         from llmserve.engine.llm_engine import LLMEngine
 
         self.weights, self.args = weights, args
-        quantize = None if weights == "stored" else weights
-        self.engine = LLMEngine(replace(config, quantize=quantize, kv_cache_memory=config.kv_cache_memory or 1 << 29))
+        fmt, _, variant = weights.partition(":")
+        if variant not in ("", "unfused"):
+            raise SystemExit(f"--weights {weights}: the only suffix is :unfused")
+        quantize = None if fmt == "stored" else fmt
+        fused = "off" if variant else config.fused_layers
+        self.engine = LLMEngine(replace(config, quantize=quantize, fused_layers=fused,
+                                        kv_cache_memory=config.kv_cache_memory or 1 << 29))
         self.rng = random.Random(0)
         self.figures: dict[str, list[float]] = {}
         self.bytes = linear_bytes(self.engine)

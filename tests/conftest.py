@@ -5,6 +5,8 @@ server options defines its own `server`)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from llmserve.model.presets import make_model
@@ -16,6 +18,26 @@ def native_kernels_built():
     from llmserve import kernels
 
     return kernels.load()
+
+
+@pytest.fixture(scope="module", params=["avx512", "avx2", "portable"])
+def cpu_isa(request):
+    """Each ISA variant of the native kernels this CPU runs, selected for the module's tests in
+    turn (the AVX2 one on an AVX-512 machine too); skipped where the CPU lacks it."""
+    from llmserve import kernels
+
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler: the engine runs the pure-torch attention")
+    assert kernels.load(), "a C++ compiler is present but the native kernels did not build (see the log)"
+    before = kernels.selected_isa()
+    try:
+        kernels.select_isa(request.param)
+    except RuntimeError as e:
+        assert "this CPU lacks" in str(e)
+        pytest.skip(f"this CPU lacks {request.param}")
+    assert kernels.selected_isa() == request.param
+    yield request.param
+    kernels.select_isa(before)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,8 @@ def test_inductor_matches_eager(tiny_model):
     eager = LLM(tiny_model, dtype="float32", max_num_seqs=8, max_num_batched_tokens=48)
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runner, model = compiled.engine.runner, compiled.engine.model
+    if compiled.engine.plan.native:  # each decoder layer runs as one op (llmserve::decoder_layer)
+        assert compiled.engine.plan.fused_layers.value == "on" and all(layer.fused for layer in model.layers)
     runner.model = CountingCalls(model)
     assert [o.token_ids for o in compiled.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
     # every step, prefill, chunked, mixed or decode, ran the one graph compiled at start-up
@@ -51,6 +53,22 @@ def test_inductor_matches_eager(tiny_model):
         step_logits_match_eager(runner, model, bs, decodes, chunks, num_blocks=runner.kv_caches[0].shape[1])
     step_logits_match_eager(runner, model, bs, *STEPS[-1], num_blocks=12)  # another cache size: the same graph
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_unfused_layers_give_the_fused_steps_tokens(tiny_model, quantize):
+    """--fused-layers off compiles the decoder layers' own ops; float32 tokens are the same."""
+    ps = [list(range(3, 3 + n)) for n in (5, 17, 40, 3, 60, 9, 22, 31)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    runs = {}
+    for fused in ("auto", "off"):
+        llm = LLM(tiny_model, dtype="float32", compile="inductor", quantize=quantize, fused_layers=fused, max_num_seqs=8,
+                  max_num_batched_tokens=48)
+        if not llm.engine.plan.native:
+            pytest.skip("no native kernels: nothing to fuse")
+        assert [layer.fused for layer in llm.engine.model.layers] == [fused == "auto"] * len(llm.engine.model.layers)
+        runs[fused] = [o.token_ids for o in llm.generate(ps, params)]
+    assert runs["auto"] == runs["off"]
 
 
 def test_speculative_and_prompt_logprob_steps_under_inductor(tiny_model):

@@ -4,30 +4,15 @@ machine."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from llmserve import kernels
 
-HAS_COMPILER = bool(shutil.which("c++") or shutil.which("g++"))
 
-
-@pytest.fixture(scope="module", params=["avx512", "avx2", "portable"])
-def op(request):
-    if not HAS_COMPILER:
-        pytest.skip("no C++ compiler: the engine runs the pure-torch attention")
-    assert kernels.load(), "a C++ compiler is present but the native kernels did not build (see the log)"
-    before = kernels.selected_isa()
-    try:
-        kernels.select_isa(request.param)
-    except RuntimeError as e:
-        assert "this CPU lacks" in str(e)
-        pytest.skip(f"this CPU lacks {request.param}")
-    assert kernels.selected_isa() == request.param
-    yield torch.ops.llmserve.paged_decode_attention
-    kernels.select_isa(before)
+@pytest.fixture(scope="module")
+def op(cpu_isa):
+    return torch.ops.llmserve.paged_decode_attention
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):

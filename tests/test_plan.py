@@ -115,6 +115,19 @@ def test_compile_auto_skips_tiny_models_and_quantized_weights_compile():
     assert (p.compile.value, p.weights.value) == ("inductor", "int8") and "Q8_0" in p.weights.reason
 
 
+def test_fused_layers_run_in_compiled_steps_over_the_native_kernels():
+    off = plan(AVX512_BF16, compile="inductor").fused_layers  # kernels_ok=False: pure-torch attention
+    assert off.value == "off" and "native kernels" in off.reason
+    if not kernels.load():
+        return
+    here = CpuInfo.detect()
+    on = plan(here, kernels_ok=True, compile="inductor").fused_layers
+    assert on.value == "on" and "llmserve::decoder_layer" in on.reason
+    assert plan(here, kernels_ok=True, compile="none").fused_layers.value == "off"
+    asked = plan(here, kernels_ok=True, compile="inductor", fused_layers="off").fused_layers
+    assert (asked.value, asked.reason) == ("off", "asked for")
+
+
 GGUF_Q4_1 = ModelConfig.from_dict({**SMOLLM2_RAW, "quantization_config": {
     "quant_method": "llmserve-blockwise", "formats": {"mlp.up_proj": "int4", "embed_tokens": "int8"}}})
 

@@ -131,6 +131,9 @@ class ModelRunner:
         if linear.startswith("onednn-packed"):
             packed = pack_linears(self.model, plan.torch_dtype, plan.native, gemv=linear.endswith("+gemv"))
             logger.info("linear layers packed for oneDNN: %d", packed)
+        if plan.fused_layers.value == "on":  # before the graph compiles: it holds the layers' handles
+            logger.info("decoder layers fused into llmserve::decoder_layer: %d of %d", self.model.use_fused_layers(True),
+                        len(self.model.layers))
         if plan.compile.value == "inductor":
             graph = StepGraph(self.model)
             logger.info("compiled step graph ready in %.1f s", graph.warm_up(self.kv_caches, lora=self.lora is not None))

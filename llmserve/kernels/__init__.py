@@ -28,7 +28,7 @@ from llmserve.paths import cache_dir
 
 logger = logging.getLogger("llmserve.kernels")
 NAMES = ("isa.cpp", "isa_avx2.cpp", "isa_avx512.cpp", "paged_attention.cpp", "gemv.cpp", "cache_write.cpp",
-         "packed_linear.cpp", "lora.cpp", "quant_linear.cpp")
+         "packed_linear.cpp", "lora.cpp", "quant_linear.cpp", "decoder_layer.cpp")
 SOURCES = tuple(Path(__file__).with_name(name) for name in NAMES)
 # no -march: each ISA variant names its own target (-mtune only schedules for this CPU, and the
 # library runs on any x86-64); at::parallel_for needs OpenMP
@@ -155,3 +155,8 @@ def _register_fake() -> None:
     @torch.library.register_fake("llmserve::paged_attention")
     def _(q, k, v, k_cache, v_cache, block_tables, seq_lens, query_start, query_len, context_len, prefill_tables, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("llmserve::decoder_layer")
+    def _(x, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, query_start, query_len, context_len,
+          prefill_tables, handle):
+        return torch.empty_like(x)

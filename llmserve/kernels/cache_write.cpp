@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
+
 namespace {
 
 // x [N, kvh, hd] in the cache's dtype, with each row's kvh * hd elements contiguous (a view of a
@@ -23,6 +25,12 @@ at::Tensor rows_of(const at::Tensor& x, at::ScalarType dtype) {
   const at::Tensor y = x.to(dtype);
   return y.stride(2) == 1 && y.stride(1) == y.size(2) ? y : y.contiguous();
 }
+
+void reshape_and_cache_meta(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&) {}
+
+}  // namespace
+
+namespace llmserve {
 
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -57,13 +65,11 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_
   }
 }
 
-void reshape_and_cache_meta(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&) {}
-
-}  // namespace
+}  // namespace llmserve
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("reshape_and_cache", &reshape_and_cache); }
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) { m.impl("reshape_and_cache", &llmserve::reshape_and_cache); }
 TORCH_LIBRARY_IMPL(llmserve, Meta, m) { m.impl("reshape_and_cache", &reshape_and_cache_meta); }

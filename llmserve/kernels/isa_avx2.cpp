@@ -10,6 +10,7 @@
 
 #include "decode.h"
 #include "gemv.h"
+#include "layer.h"
 #include "lora.h"
 #include "quant.h"
 
@@ -31,6 +32,7 @@ using llmserve::KvType;
 #include "gemv_kernel.h"
 #include "lora_kernel.h"
 #include "quant_kernel.h"
+#include "layer_kernel.h"
 }  // namespace
 
 namespace llmserve {
@@ -39,6 +41,7 @@ GemvFn pick_gemv_avx2(KvType weight) { return gemv_variant(weight); }
 LoraBlockFn pick_lora_avx2(KvType weight) { return lora_variant(weight); }
 QGemvFn pick_qgemv_avx2(bool int4) { return qgemv_variant(int4); }
 QDequantFn pick_qdequant_avx2() { return &qdequant; }
+LayerFns layer_fns_avx2(bool bf16) { return layer_variant(bf16); }
 QGemvBf16Fn pick_qgemv_bf16_avx2(bool int4) { return qgemv_bf16_variant(int4); }
 
 // head_dim 16, 32, 64 or 128 (Llama-style models use 64 or 128); others take the portable loop

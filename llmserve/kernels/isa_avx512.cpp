@@ -12,6 +12,7 @@
 
 #include "decode.h"
 #include "gemv.h"
+#include "layer.h"
 #include "lora.h"
 #include "quant.h"
 
@@ -33,6 +34,7 @@ using llmserve::KvType;
 #include "gemv_kernel.h"
 #include "lora_kernel.h"
 #include "quant_kernel.h"
+#include "layer_kernel.h"
 #include "quant_dpbf16.h"
 
 // bf16 queries against bf16 rows: bf16 x bf16 products are exact in fp32, so only the summation
@@ -70,6 +72,7 @@ GemvFn pick_gemv_avx512(KvType weight) { return gemv_variant(weight); }
 LoraBlockFn pick_lora_avx512(KvType weight) { return lora_variant(weight); }
 QGemvFn pick_qgemv_avx512(bool int4) { return qgemv_variant(int4); }
 QDequantFn pick_qdequant_avx512() { return &qdequant; }
+LayerFns layer_fns_avx512(bool bf16) { return layer_variant(bf16); }
 QGemvBf16Fn pick_qgemv_bf16_avx512(bool int4, bool dpbf16) {
   return int4 && dpbf16 ? &qgemv_dpbf16 : qgemv_bf16_variant(int4);
 }

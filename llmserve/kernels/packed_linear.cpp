@@ -15,6 +15,7 @@
 
 #include "gemv.h"
 #include "handles.h"
+#include "ops.h"
 
 namespace llmserve {
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);  // gemv.cpp

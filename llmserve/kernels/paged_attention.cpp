@@ -30,6 +30,7 @@
 
 #include "decode.h"
 #include "gemv.h"
+#include "ops.h"
 
 namespace {
 
@@ -250,6 +251,10 @@ at::Tensor prefill_one(const at::Tensor& q, const at::Tensor& k_new, const at::T
   return out.squeeze(0).transpose(0, 1);
 }
 
+}  // namespace
+
+namespace llmserve {
+
 // Attention for a whole flat batch (a compiled step): the first D rows of q are decode rows
 // (block_tables [D, W], seq_lens [D], as paged_decode_attention); then prefill chunk p covers rows
 // query_start[p] .. query_start[p] + query_len[p] - 1, with context_len[p] tokens after this step
@@ -278,7 +283,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
-}  // namespace
+}  // namespace llmserve
 
 TORCH_LIBRARY(llmserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
@@ -289,5 +294,5 @@ TORCH_LIBRARY(llmserve, m) {
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention", &llmserve::paged_attention);
 }

@@ -29,11 +29,8 @@
 
 #include "gemv.h"
 #include "handles.h"
+#include "ops.h"
 #include "quant.h"
-
-namespace llmserve {
-at::Tensor onednn_linear(const at::Tensor& x, int64_t handle);  // packed_linear.cpp
-}
 
 namespace {
 
@@ -209,14 +206,14 @@ void quant_register(int64_t handle, const at::Tensor& q, const at::Tensor& d, co
 
 void quant_release(int64_t handle) { table.erase(handle); }
 
+}  // namespace
+
+namespace llmserve {
+
 at::Tensor qlinear(const at::Tensor& x, int64_t handle) {
   const Registered r = table.get(handle, "qlinear");
   return run(x, r.w, r.q.size(0), r.bias, r.packed);
 }
-
-}  // namespace
-
-namespace llmserve {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const std::optional<at::Tensor>& m,
                         const std::optional<at::Tensor>& bias, int64_t in, int64_t packed) {
@@ -250,7 +247,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("quant_linear", &llmserve::quant_linear);
   m.impl("quant_dequant", &llmserve::quant_dequant);
-  m.impl("qlinear", &qlinear);
+  m.impl("qlinear", &llmserve::qlinear);
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CatchAll, m) {

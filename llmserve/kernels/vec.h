@@ -62,6 +62,10 @@ inline Vec vfirst(Vec a, int n, float fill) {
 }
 inline Vec vexp2_parts(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n
 inline Vec vfloor(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)}; }
+inline Vec vdiv(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec vabs(Vec a) { return {_mm512_abs_ps(a.v)}; }
+// lanes where c < 0 take a, the others b
+inline Vec vwhere_neg(Vec c, Vec a, Vec b) { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(c.v, _mm512_setzero_ps(), _CMP_LT_OQ), b.v, a.v)}; }
 
 // W int8 -> fp32
 inline Vec vload_i8(const int8_t* p) {
@@ -136,6 +140,10 @@ inline Vec vexp2_parts(Vec p, Vec n) {
   return {_mm256_mul_ps(p.v, _mm256_castsi256_ps(bits))};
 }
 inline Vec vfloor(Vec a) { return {_mm256_floor_ps(a.v)}; }
+inline Vec vdiv(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline Vec vabs(Vec a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.f), a.v)}; }
+// lanes where c < 0 take a, the others b (by the sign bit: -0 counts as negative)
+inline Vec vwhere_neg(Vec c, Vec a, Vec b) { return {_mm256_blendv_ps(b.v, a.v, c.v)}; }
 
 // W int8 -> fp32
 inline Vec vload_i8(const int8_t* p) {

@@ -8,7 +8,9 @@ uses adapters passes a LoRABatch: its rows' deltas are added to the base linear'
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +117,17 @@ class MLP(nn.Module):
         return with_lora(self.down_proj, self.down_lora, F.silu(gate) * up, lora)
 
 
+_LAYER_HANDLES = itertools.count(1)
+
+
+def native_linear(linear: nn.Module) -> tuple[int, bool] | None:
+    """(handle, quantized) of a linear layer that runs a native op by handle: llmserve::qlinear
+    (QuantLinear) or llmserve::onednn_linear (PackedLinear); None for any other."""
+    if not getattr(linear, "native", False) or not isinstance(getattr(linear, "handle", None), int):
+        return None
+    return linear.handle, hasattr(linear, "qweight")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -122,8 +135,36 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused = False  # compiled steps without adapters run llmserve::decoder_layer (fuse())
+        self.fused_handle: int | None = None  # the layer's entry in that op's table, once registered
+
+    def fuse(self) -> bool:
+        """Register the layer with llmserve::decoder_layer, which then runs it in a compiled step
+        without adapters as one op; False (and nothing registered) where a linear has no native
+        handle or the layer cannot take the op."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = [native_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if None in linears or not attn.attn.native or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            return False
+        if norms[0].dtype not in (torch.float32, torch.bfloat16) or attn.hd % 2:
+            return False
+        handle = next(_LAYER_HANDLES) if self.fused_handle is None else self.fused_handle
+        torch.ops.llmserve.decoder_layer_register(handle, norms[0].detach(), norms[1].detach(), self.input_layernorm.eps,
+                                                  [h for h, _ in linears], [int(q) for _, q in linears], attn.h, attn.kvh,
+                                                  attn.hd, attn.attn.scale)
+        if self.fused_handle is None:
+            weakref.finalize(self, torch.ops.llmserve.decoder_layer_release, handle)
+        self.fused_handle, self.fused = handle, True
+        return True
 
     def forward(self, x, rope, kv_cache, meta, lora=None):
+        pb = meta.prefill_batch
+        if self.fused and lora is None and pb is not None:  # a compiled step: the whole layer in one op
+            t = x.shape[0]
+            return torch.ops.llmserve.decoder_layer(
+                x, rope[0].view(t, -1), rope[1].view(t, -1), kv_cache, meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_seq_lens, pb.query_start, pb.query_len, pb.context_len, pb.block_tables, self.fused_handle)
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
@@ -145,6 +186,13 @@ class LlamaForCausalLM(nn.Module):
         """Decode attention and the KV-cache write through the native kernels (True) or pure torch."""
         for layer in self.layers:
             layer.self_attn.attn.native = bool(enabled)
+
+    def use_fused_layers(self, enabled: bool) -> int:
+        """Compiled steps without adapters run each decoder layer as one native op
+        (llmserve::decoder_layer; True), or as its modules' ops; returns the layers fused."""
+        for layer in self.layers:
+            layer.fused = False
+        return sum(layer.fuse() for layer in self.layers) if enabled else 0
 
     def use_native_lora(self, enabled: bool) -> None:
         """The LoRA deltas through llmserve::lora_add (True; CPU only) or torch ops."""
