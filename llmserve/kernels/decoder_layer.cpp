@@ -169,6 +169,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
     fns.rms_norm(row(mid, r), L.post_norm.data_ptr(), hidden, eps, row(h, r));
   });
   const at::Tensor gate_up = linear(h, L.gate_up, L.gate_up_q);  // [T, 2 inter]
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "decoder_layer: gate_up_proj gives [T, 2 inter]");
   const int64_t inter = gate_up.size(1) / 2;
   at::Tensor act = at::empty({t, inter}, x.options());
   each_row(live, act, [&](int64_t r) { fns.silu_mul(row(gate_up, r), row(gate_up, r) + inter * es, inter, row(act, r)); });
