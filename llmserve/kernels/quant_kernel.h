@@ -41,10 +41,10 @@ inline float qscalar(const uint8_t* qr, const uint16_t* dr, const uint16_t* mr, 
 }
 
 // y[r * out] = x[r] . w_row + b for r < M; U blocks a step (so that M * kQV * U >= 4 FMA chains).
-// T: fp32, or bf16 bits (x read as bf16, y rounded to bf16; the sums are fp32 either way)
-template <bool Q4, int M, typename T>
-inline void qgemv_row(const T* x, int64_t in, const uint8_t* qr, const uint16_t* dr, const uint16_t* mr, float b,
-                      T* y, int64_t out, int64_t pf) {
+// TX, TY: fp32, or bf16 bits (x read as bf16, y rounded to bf16; the sums are fp32 either way)
+template <bool Q4, int M, typename TX, typename TY>
+inline void qgemv_row(const TX* x, int64_t in, const uint8_t* qr, const uint16_t* dr, const uint16_t* mr, float b,
+                      TY* y, int64_t out, int64_t pf) {
   constexpr int U = M * kQV >= 4 ? 1 : 2, W = Vec::W;
   constexpr int64_t BB = kQBlockBytes<Q4>;
   Vec acc[M][U * kQV];
@@ -53,7 +53,7 @@ inline void qgemv_row(const T* x, int64_t in, const uint8_t* qr, const uint16_t*
   auto step = [&](int64_t blk, int u) {
     Vec w[kQV];
     qblock<Q4>(qr + blk * BB, f16(dr[blk]), Q4 ? f16(mr[blk]) : 0.f, w);
-    const T* xb = x + blk * llmserve::kQBlock;
+    const TX* xb = x + blk * llmserve::kQBlock;
     LLMSERVE_UNROLL for (int r = 0; r < M; ++r)
       LLMSERVE_UNROLL for (int c = 0; c < kQV; ++c)
         acc[r][u * kQV + c] = vfma(vload(xb + r * in + c * W), w[c], acc[r][u * kQV + c]);
@@ -86,8 +86,8 @@ inline void qdequant_row(const uint8_t* qr, const uint16_t* dr, const uint16_t* 
 }
 
 // output row o of a step of m <= 4 rows, in registers; false (nothing done) for more rows
-template <bool Q4, typename T>
-inline bool qgemv_few(const T* x, int64_t m, const llmserve::QWeight& w, int64_t o, float b, T* y, int64_t out,
+template <bool Q4, typename TX, typename TY>
+inline bool qgemv_few(const TX* x, int64_t m, const llmserve::QWeight& w, int64_t o, float b, TY* y, int64_t out,
                       int64_t pf) {
   const uint8_t* qr = w.q + o * w.row_bytes;
   const uint16_t* dr = w.d + o * w.kb;
@@ -125,11 +125,19 @@ void qgemv(const float* x, int64_t m, const llmserve::QWeight& w, const float* b
   }
 }
 
-// bf16 activations, M <= kQDotMaxRows rows, bf16 out (quant.h: QGemvBf16Fn)
+// bf16 activations, M <= kQDotMaxRows rows, bf16 out (quant.h: QGemvBf16Fn). The rows are widened
+// to fp32 once, into a buffer that stays in L1, rather than for every output row: fewer
+// instructions a block, which is what limits this loop where the weights come from the cache.
 template <bool Q4>
 void qgemv_bf16(const uint16_t* x, int64_t m, const llmserve::QWeight& w, const float* bias, int64_t o0, int64_t o1,
                 uint16_t* y, int64_t out, int64_t pf) {
-  for (int64_t o = o0; o < o1; ++o) qgemv_few<Q4>(x, m, w, o, bias ? bias[o] : 0.f, y, out, pf);
+  thread_local std::vector<float> xf;
+  const int64_t n = m * w.in;
+  xf.resize(n);
+  int64_t i = 0;
+  for (; i + Vec::W <= n; i += Vec::W) vstore(xf.data() + i, vload(x + i));
+  for (; i < n; ++i) xf[i] = scalar(x[i]);
+  for (int64_t o = o0; o < o1; ++o) qgemv_few<Q4>(xf.data(), m, w, o, bias ? bias[o] : 0.f, y, out, pf);
 }
 
 template <bool Q4>
