@@ -3,7 +3,9 @@
 // pragma region and anonymous namespace.
 // Steps of at most 4 rows dequantize each block of 32 weights in registers (one FMA a vector)
 // and use it for every row: the packed bytes are read once, front to back, one output row at a
-// time (as gemv_kernel.h reads a plain weight). Steps of 5 to 16 rows dequantize the weight row
+// time (as gemv_kernel.h reads a plain weight); int8 weights at one row take each block's dot
+// product with the int8 values first and scale it once (the loop is bound by its instructions a
+// block where the weights come from the cache). Steps of 5 to 16 rows dequantize the weight row
 // once into an L1 buffer and run the float GEMV over it, four input rows at a time.
 
 constexpr int kQV = static_cast<int>(llmserve::kQBlock) / Vec::W;  // vectors a block: 2 (AVX-512), 4 (AVX2)
@@ -51,6 +53,14 @@ inline void qgemv_row(const TX* x, int64_t in, const uint8_t* qr, const uint16_t
   LLMSERVE_UNROLL for (int r = 0; r < M; ++r) LLMSERVE_UNROLL for (int c = 0; c < U * kQV; ++c) acc[r][c] = vzero();
   const int64_t full = in / llmserve::kQBlock;
   auto step = [&](int64_t blk, int u) {
+    if constexpr (!Q4 && M == 1) {  // one row: the block's dot product first, then its scale (one multiply, not kQV)
+      const TX* xb = x + blk * llmserve::kQBlock;
+      const int8_t* qb = reinterpret_cast<const int8_t*>(qr + blk * BB);
+      Vec t = vmul(vload(xb), vload_i8(qb));
+      LLMSERVE_UNROLL for (int c = 1; c < kQV; ++c) t = vfma(vload(xb + c * W), vload_i8(qb + c * W), t);
+      acc[0][u * kQV] = vfma(t, vset(f16(dr[blk])), acc[0][u * kQV]);
+      return;
+    }
     Vec w[kQV];
     qblock<Q4>(qr + blk * BB, f16(dr[blk]), Q4 ? f16(mr[blk]) : 0.f, w);
     const TX* xb = x + blk * llmserve::kQBlock;
