@@ -35,7 +35,7 @@ using QGemvFn = void (*)(const float* x, int64_t m, const QWeight& w, const floa
 using QDequantFn = void (*)(const QWeight& w, int64_t o0, int64_t o1, void* dst, bool bf16);
 
 // Rows of bf16 activations: as QGemvFn, but x [M, in] and y [M, out] bf16 bits, M <= 4 (the fp32
-// kernel over bf16 loads; for int4 under AVX512-BF16, the bf16 dot product of quant_dpbf16.h, whose
+// kernel over the rows widened to fp32 once a call; for int4 under AVX512-BF16, the bf16 dot product of quant_dpbf16.h, whose
 // sums differ from the fp32 kernel's in summation order only).
 using QGemvBf16Fn = void (*)(const uint16_t* x, int64_t m, const QWeight& w, const float* bias, int64_t o0, int64_t o1,
                              uint16_t* y, int64_t out, int64_t pf);

@@ -19,6 +19,8 @@ from torch import nn
 from llmserve.lora.layers import LoRABatch, LoRASlots
 from llmserve.model.attention import AttentionMetadata, KVCacheAttention
 from llmserve.model.config import ModelConfig
+from llmserve.model.packed import PackedLinear
+from llmserve.model.quantize import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -123,9 +125,9 @@ _LAYER_HANDLES = itertools.count(1)
 def native_linear(linear: nn.Module) -> tuple[int, bool] | None:
     """(handle, quantized) of a linear layer that runs a native op by handle: llmserve::qlinear
     (QuantLinear) or llmserve::onednn_linear (PackedLinear); None for any other."""
-    if not getattr(linear, "native", False) or not isinstance(getattr(linear, "handle", None), int):
+    if not isinstance(linear, QuantLinear | PackedLinear) or not linear.native:
         return None
-    return linear.handle, hasattr(linear, "qweight")
+    return linear.handle, isinstance(linear, QuantLinear)
 
 
 class DecoderLayer(nn.Module):
